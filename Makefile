@@ -1,0 +1,26 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both set everything up first.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: install demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# Pin torch first: an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_PIN)"
+	$(PIP) install -q -e ".[test,demo]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) -m ringattn.cli demo
+
+test: install
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) demo_out
