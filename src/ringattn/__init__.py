@@ -1,0 +1,36 @@
+"""ringattn: exact context-parallel (ring) attention for PyTorch.
+
+One sequence is split across the ranks of a ``torch.distributed`` group; attention over
+the whole sequence, forward and backward, is computed with each rank holding only its
+shard. Results equal single-device attention up to floating-point rounding, for any
+sequence length and world size.
+
+Example (every rank runs this; ``pg`` is a process group of W ranks)::
+
+    import torch, ringattn as ra
+    S = 10_001                                   # need not divide W
+    q, k, v = (torch.randn(1, S, 8, 64) for _ in range(3))      # same on every rank
+    q_l, k_l, v_l = (ra.shard(t, group=pg, layout="zigzag", seqlen=S) for t in (q, k, v))
+    out_l = ra.ring_attention(q_l, k_l, v_l, group=pg, causal=True, layout="zigzag", seqlen=S)
+    out = ra.unshard(out_l, group=pg, layout="zigzag", seqlen=S)  # [1, S, 8, 64]
+"""
+
+from . import kernels, layouts, masks, plan
+from .api import ring_attention
+from .merge import merge
+from .sharding import positions, shard, unshard
+from .spec import AttnSpec
+
+__all__ = [
+    "AttnSpec",
+    "kernels",
+    "layouts",
+    "masks",
+    "merge",
+    "plan",
+    "positions",
+    "ring_attention",
+    "shard",
+    "unshard",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,208 @@
+"""Public attention functions and their autograd Function (thin: the work is in ring.py).
+
+Legend: B batch, L local seq (S_pad / W), S global seq, H heads, Hkv kv heads, D head dim,
+W world size.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import torch
+import torch.distributed as dist
+
+from .comm import RingComm, agree, resolve_group
+from .kernels import available_kernels, get_kernel
+from .layouts import LAYOUTS, get_layout
+from .masks import WindowMask
+from .ring import Ring, ring_backward, ring_forward
+from .spec import AttnSpec
+
+__all__ = ["ring_attention"]
+
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_DEVICES = ("cpu", "cuda")
+_LAYOUT_NAMES = sorted(LAYOUTS)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring: Ring):
+        out, lse = ring_forward(q, k, v, ring)
+        if any(ctx.needs_input_grad[:3]):
+            ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring = ring
+        # lse is an output for composition (merge); gradients flow through out only.
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.ring)
+        return dq, dk, dv, None
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _describe(name: str, value: int) -> str:
+    if value == -1:
+        return "nothing (its input was invalid)"
+    if name == "dtype":
+        return str(_DTYPES[value])
+    if name == "device":
+        return _DEVICES[value]
+    if name == "layout":
+        return repr(_LAYOUT_NAMES[value])
+    if name == "softmax_scale":
+        return repr(struct.unpack("<d", struct.pack("<q", value))[0])
+    if name == "kernel":
+        return repr(available_kernels()[value]) if value < len(available_kernels()) else "a custom kernel"
+    return str(value)
+
+
+def _check_local(q, k, v, world, causal, window_size, softmax_scale, layout, seqlen, kernel, pg):
+    """Validate this rank's inputs; return (spec, layout, kernel, fields) or raise."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [B, S_local, heads, D], got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; supported: {list(_DTYPES)}")
+        if t.device.type not in _DEVICES:
+            raise ValueError(f"{name} is on {t.device}; supported device types: {list(_DEVICES)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    b, n, h, d = q.shape
+    if (k.shape[0], k.shape[1]) != (b, n):
+        raise ValueError(
+            f"q is [B={b}, S_local={n}, ...] but k is [B={k.shape[0]}, S_local={k.shape[1]}, ...]"
+        )
+    if k.shape[3] != d:
+        raise ValueError(f"q has head dim {d} but k has head dim {k.shape[3]}")
+    hkv = k.shape[2]
+    if hkv == 0 or h % hkv != 0:
+        raise ValueError(f"q has {h} heads, not a multiple of k's {hkv} heads")
+    if b == 0 or n == 0 or d == 0:
+        raise ValueError(f"q has an empty dimension: shape {tuple(q.shape)}")
+    backend = str(dist.get_backend(pg))
+    if (backend == "nccl" and q.device.type != "cuda") or (backend == "gloo" and q.device.type != "cpu"):
+        raise ValueError(f"tensors on {q.device} cannot travel over a {backend!r} process group")
+    lay = get_layout(layout)
+    if seqlen is None:
+        seqlen = n * world
+    if not isinstance(seqlen, int) or isinstance(seqlen, bool) or seqlen < 1:
+        raise ValueError(f"seqlen must be an int >= 1, got {seqlen!r}")
+    expected = lay.local_len(seqlen, world)
+    if expected != n:
+        raise ValueError(
+            f"seqlen={seqlen} with layout {lay.name!r} on {world} ranks gives shards of "
+            f"{expected} tokens, but q has S_local={n} (use ringattn.shard to make shards)"
+        )
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
+    elif isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool):
+        softmax_scale = float(softmax_scale)
+    if not isinstance(window_size, (tuple, list)):
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+    spec = AttnSpec(
+        causal=causal, window_size=tuple(window_size), softmax_scale=softmax_scale,
+        seqlen=seqlen, layout=lay.name,
+    )
+    kern = get_kernel(kernel, q.device, q.dtype)
+    names = available_kernels()
+    fields = {
+        "batch": b, "local_len": n, "heads": h, "kv_heads": hkv, "head_dim": d,
+        "dtype": _DTYPES.index(q.dtype), "device": _DEVICES.index(q.device.type),
+        "layout": _LAYOUT_NAMES.index(lay.name), "seqlen": seqlen, "causal": int(causal),
+        "window_left": spec.window_size[0], "window_right": spec.window_size[1],
+        "softmax_scale": _float_bits(softmax_scale),
+        "kernel": names.index(kern.name) if kern.name in names else len(names),
+        "needs_grad": int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))),
+    }
+    return spec, lay, kern, fields
+
+
+_FIELD_NAMES = (
+    "batch", "local_len", "heads", "kv_heads", "head_dim", "dtype", "device", "layout",
+    "seqlen", "causal", "window_left", "window_right", "softmax_scale", "kernel", "needs_grad",
+)
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group=None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softmax_scale: float | None = None,
+    layout: str = "contiguous",
+    seqlen: int | None = None,
+    return_lse: bool = False,
+    kernel=None,
+):
+    """Exact attention over a sequence sharded across the ranks of ``group``.
+
+    Every rank passes its shard of one global sequence (as made by ``ringattn.shard`` with
+    the same ``layout``); every rank gets the attention output for its own queries over
+    ALL keys of the sequence, as if one device had computed it, forward and backward.
+
+    Causal and window alignment, in GLOBAL positions (query i, key j; window (2, 1)):
+
+        causal=True        window_size=(2, 1)     causal=True, window_size=(2, -1)
+        1 0 0 0 0          1 1 0 0 0              1 0 0 0 0
+        1 1 0 0 0          1 1 1 0 0              1 1 0 0 0
+        1 1 1 0 0          1 1 1 1 0              1 1 1 0 0
+        1 1 1 1 0          0 1 1 1 1              0 1 1 1 0
+        1 1 1 1 1          0 0 1 1 1              0 0 1 1 1
+
+    Arguments:
+        q: [B, S_local, H, D] this rank's queries.
+        k, v: [B, S_local, Hkv, D] this rank's keys and values; H % Hkv == 0 (GQA/MQA).
+            They travel the ring with their own Hkv heads.
+        group: a ProcessGroup, a 1-D DeviceMesh, or None for the default group.
+        causal: query i sees key j only if j <= i.
+        window_size: (left, right), as in flash-attn: query i sees key j iff
+            i - left <= j <= i + right; -1 is unbounded on that side.
+        softmax_scale: scale of q.k before the softmax; default 1 / sqrt(D).
+        layout: "contiguous", "zigzag" or "striped": how global tokens were placed on ranks.
+        seqlen: the global S (any value >= 1). Defaults to W * S_local. Shards hold
+            ``layout.local_len(S, W)`` tokens; slots past S are padding, masked as keys and
+            yielding zeros as queries.
+        return_lse: also return the log-sum-exp of the scaled scores per query row.
+        kernel: None/"auto", a name from ``ringattn.kernels.available_kernels()``, or a
+            ``Kernel`` object: the local block kernel.
+
+    Returns:
+        out [B, S_local, H, D] in q's dtype, or (out, lse) with lse [B, H, S_local] float32
+        (float64 for float64 inputs; -inf for rows that see no key, such as padding). lse is
+        not differentiable.
+
+    Raises:
+        TypeError, ValueError: on bad input or when ranks disagree on shapes or options; the
+            same error is raised on every rank, before any ring communication.
+    """
+    pg = resolve_group(group)
+    comm = RingComm(pg)
+    error, fields = None, dict.fromkeys(_FIELD_NAMES, -1)
+    try:
+        spec, lay, kern, fields = _check_local(
+            q, k, v, comm.world, causal, window_size, softmax_scale, layout, seqlen, kernel, pg
+        )
+    except (TypeError, ValueError) as exc:  # reported on every rank by agree() below
+        error = exc
+    agree(pg, fields, error, _describe)
+    mask = WindowMask(spec.seqlen, spec.left, spec.right)
+    ring = Ring(comm, spec, lay, mask, kern)
+    out, lse = _RingAttention.apply(q, k, v, ring)
+    return (out, lse) if return_lse else out

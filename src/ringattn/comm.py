@@ -1,0 +1,132 @@
+"""Communication for the ring, behind objects with explicit start() and wait().
+
+The ring posts the next hop (send to rank+1, receive from rank-1) before it computes on the
+current block, and waits only when it needs the received data. There is no barrier per hop.
+Both directions of a hop go in one ``batch_isend_irecv``, so a two-rank ring (where next and
+previous are the same rank) cannot deadlock on NCCL's ordering.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RingComm", "Hop", "agree", "resolve_group"]
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns);
+# older releases only have the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def resolve_group(group) -> dist.ProcessGroup:
+    """Accept a ProcessGroup, a 1-D DeviceMesh or None (the default group)."""
+    if group is None:
+        if not dist.is_initialized():
+            raise ValueError("torch.distributed is not initialized and no group was given")
+        return dist.group.WORLD
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # torch builds without distributed support have no DeviceMesh
+        DeviceMesh = None
+    if DeviceMesh is not None and isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"group must be a 1-D DeviceMesh, got one with {group.ndim} dims "
+                f"{group.mesh_dim_names}; pass mesh[dim_name]"
+            )
+        return group.get_group()
+    raise TypeError(
+        f"group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(group).__name__}"
+    )
+
+
+class Hop:
+    """One ring hop: send ``send`` to the next rank, receive ``recv`` from the previous one."""
+
+    def __init__(self, comm: "RingComm", send: torch.Tensor, recv: torch.Tensor, tag: int):
+        self._ops = [
+            dist.P2POp(dist.isend, send, comm.next_global, comm.group, tag),
+            dist.P2POp(dist.irecv, recv, comm.prev_global, comm.group, tag),
+        ]
+        self._reqs = None
+        self.recv = recv
+
+    def start(self) -> "Hop":
+        self._reqs = dist.batch_isend_irecv(self._ops)
+        return self
+
+    def wait(self) -> torch.Tensor:
+        for req in self._reqs:
+            req.wait()
+        return self.recv
+
+
+class RingComm:
+    """The ring of one process group: this rank, its neighbours, and hops between them."""
+
+    # Tags keep the K/V stream and the dK/dV stream apart when both are in flight.
+    KV_TAG = 0
+    GRAD_TAG = 1
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.next_global = dist.get_global_rank(group, (self.rank + 1) % self.world)
+        self.prev_global = dist.get_global_rank(group, (self.rank - 1) % self.world)
+
+    def hop(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> Hop:
+        """Post one hop now; call ``wait()`` on the result before reading ``recv``."""
+        return Hop(self, send, recv, tag).start()
+
+
+def _metadata_device(group: dist.ProcessGroup) -> torch.device:
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree(
+    group: dist.ProcessGroup,
+    fields: dict[str, int],
+    error: Exception | None,
+    describe=lambda name, value: str(value),
+) -> None:
+    """Raise the same exception on every rank if any rank failed or the ranks disagree.
+
+    One all-gather of a small int64 vector (an error flag and the ``fields``), made before
+    the first ring send, so bad or inconsistent input never leaves a rank waiting for a
+    peer that has already given up. Every rank must pass the same field names; a rank that
+    failed its local checks passes -1 for what it could not compute. Only when some rank
+    failed is a second exchange made, of the error messages, so all ranks can name them.
+
+    Raises:
+        ValueError or TypeError: the class of the lowest failing rank's error, with every
+            failing rank's message; ValueError naming the field where ranks disagree.
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        if error is not None:
+            raise error
+        return
+    names = list(fields)
+    flag = 0 if error is None else (2 if isinstance(error, TypeError) else 1)
+    row = torch.tensor([flag, *(int(fields[n]) for n in names)], dtype=torch.int64)
+    dev = _metadata_device(group)
+    flat = torch.empty(world * row.numel(), dtype=torch.int64, device=dev)
+    _all_gather_single(flat, row.to(dev), group=group)
+    table = flat.cpu().view(world, row.numel())
+    if table[:, 0].any():
+        messages: list = [None] * world
+        dist.all_gather_object(messages, None if error is None else str(error), group=group)
+        failed = [r for r in range(world) if table[r, 0] != 0]
+        cls = TypeError if table[failed[0], 0] == 2 else ValueError
+        raise cls("; ".join(f"rank {r}: {messages[r]}" for r in failed))
+    for i, name in enumerate(names, start=1):
+        col = table[:, i]
+        if (col != col[0]).any():
+            values = ", ".join(f"rank {r} has {describe(name, int(col[r]))}" for r in range(world))
+            raise ValueError(f"ranks disagree on {name}: {values}")

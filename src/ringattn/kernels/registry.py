@@ -1,0 +1,76 @@
+"""Choose a block kernel by device and dtype, or by name.
+
+The ring loop needs only this protocol:
+
+* ``forward(q, k, v, scale, band) -> (out, lse)``: q [B, Sq, H, D], k/v [B, Sk, Hkv, D];
+  out [B, Sq, H, D] (any float dtype), lse [B, H, Sq] (float32, float64 for float64 inputs).
+  Every row passed in sees at least one key.
+* ``backward(dout, q, k, v, out, lse, scale, band) -> (dq, dk, dv)`` against the FINAL out
+  and lse of the rows (not this block's), so per-block gradients add up exactly.
+* ``supports(device, dtype) -> bool`` and a ``name``.
+
+``band`` is None for an unmasked block or a ``masks.Band``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .reference import ReferenceKernel
+from .sdpa import SdpaKernel
+
+__all__ = ["Kernel", "available_kernels", "get_kernel"]
+
+
+@runtime_checkable
+class Kernel(Protocol):
+    name: str
+
+    def supports(self, device: torch.device, dtype: torch.dtype) -> bool: ...
+
+    def forward(self, q, k, v, scale, band): ...
+
+    def backward(self, dout, q, k, v, out, lse, scale, band): ...
+
+
+_KERNELS: dict[str, Kernel] = {
+    k.name: k for k in (SdpaKernel("cpu"), SdpaKernel("cuda"), ReferenceKernel())
+}
+# Fused kernels first: the reference kernel is the fallback for what they do not support.
+_PREFERENCE = ("sdpa-cpu", "sdpa-cuda", "reference")
+
+
+def available_kernels() -> list[str]:
+    """Names accepted by ``get_kernel`` (and by ``ring_attention(kernel=...)``)."""
+    return ["auto", *_KERNELS]
+
+
+def get_kernel(name: str | Kernel | None, device: torch.device, dtype: torch.dtype) -> Kernel:
+    """Return the kernel to use on ``device`` for ``dtype``.
+
+    Arguments:
+        name: None or "auto" (the fastest exact kernel that supports the device and dtype),
+            a registered name (see ``available_kernels``), or a ``Kernel`` object.
+
+    Raises:
+        ValueError: unknown name, or a named kernel that does not support device/dtype.
+        TypeError: an object that is neither a name nor a ``Kernel``.
+    """
+    if name is None or name == "auto":
+        for n in _PREFERENCE:
+            if _KERNELS[n].supports(device, dtype):
+                return _KERNELS[n]
+        raise ValueError(f"no kernel supports {dtype} on {device}")
+    if isinstance(name, str):
+        if name not in _KERNELS:
+            raise ValueError(f"unknown kernel {name!r}; choose one of {available_kernels()}")
+        kernel = _KERNELS[name]
+    elif isinstance(name, Kernel):
+        kernel = name
+    else:
+        raise TypeError(f"kernel must be a name or a Kernel object, got {type(name).__name__}")
+    if not kernel.supports(device, dtype):
+        raise ValueError(f"kernel {kernel.name!r} does not support {dtype} on {device}")
+    return kernel

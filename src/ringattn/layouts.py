@@ -1,0 +1,151 @@
+"""Layouts: where each global token lives, as an index permutation.
+
+Legend: S global sequence length, S_pad padded length, L local length (S_pad / W),
+W world size, c chunk length.
+
+A layout pads S up to a multiple of what it needs (W, or 2W for zigzag) and gives every rank
+L = S_pad / W token slots. Positions >= S are padding: they are masked as keys and produce
+nothing as queries. Inside a rank, the local buffer is a few *segments*, each a run of
+global positions with a fixed stride, which is what lets the plan describe the mask between
+two blocks as a band instead of a dense matrix.
+
+Restoring global order from the concatenation of all ranks' shards is an argsort of the
+permutation (see ``restore_index``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+__all__ = [
+    "Segment",
+    "Layout",
+    "Contiguous",
+    "Zigzag",
+    "Striped",
+    "LAYOUTS",
+    "get_layout",
+    "local_positions",
+    "restore_index",
+]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of global positions stored contiguously in a rank's local buffer.
+
+    Local slot ``local_start + i`` holds global position ``global_start + i * stride``,
+    for ``0 <= i < length``.
+    """
+
+    local_start: int
+    length: int
+    global_start: int
+    stride: int
+
+    def valid_length(self, seqlen: int) -> int:
+        """How many leading slots of this segment hold real (non-padding) tokens."""
+        if self.global_start >= seqlen:
+            return 0
+        return min(self.length, -(-(seqlen - self.global_start) // self.stride))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Base class: a layout is a rule placing S_pad global positions on W ranks."""
+
+    name: str = ""
+
+    def multiple(self, world: int) -> int:
+        """S_pad is the smallest multiple of this that is >= S."""
+        return world
+
+    def padded_len(self, seqlen: int, world: int) -> int:
+        m = self.multiple(world)
+        return -(-seqlen // m) * m
+
+    def local_len(self, seqlen: int, world: int) -> int:
+        return self.padded_len(seqlen, world) // world
+
+    def segments(self, rank: int, world: int, padded: int) -> tuple[Segment, ...]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Contiguous(Layout):
+    """Rank r holds positions [r*L, (r+1)*L). Causal work grows with r (unbalanced)."""
+
+    name: str = "contiguous"
+
+    def segments(self, rank: int, world: int, padded: int) -> tuple[Segment, ...]:
+        n = padded // world
+        return (Segment(0, n, rank * n, 1),)
+
+
+@dataclass(frozen=True)
+class Zigzag(Layout):
+    """2W chunks; rank r holds chunk r then chunk 2W-1-r (balanced causal work)."""
+
+    name: str = "zigzag"
+
+    def multiple(self, world: int) -> int:
+        return 2 * world
+
+    def segments(self, rank: int, world: int, padded: int) -> tuple[Segment, ...]:
+        c = padded // (2 * world)
+        return (Segment(0, c, rank * c, 1), Segment(c, c, (2 * world - 1 - rank) * c, 1))
+
+
+@dataclass(frozen=True)
+class Striped(Layout):
+    """Token t lives on rank t mod W at local slot t // W (balanced causal work)."""
+
+    name: str = "striped"
+
+    def segments(self, rank: int, world: int, padded: int) -> tuple[Segment, ...]:
+        return (Segment(0, padded // world, rank, world),)
+
+
+LAYOUTS: dict[str, Layout] = {lay.name: lay for lay in (Contiguous(), Zigzag(), Striped())}
+
+
+def get_layout(layout: str | Layout) -> Layout:
+    """Return the layout object for a name (or the object itself)."""
+    if isinstance(layout, Layout):
+        return layout
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {sorted(LAYOUTS)}")
+    return LAYOUTS[layout]
+
+
+@lru_cache(maxsize=256)
+def _positions(layout: Layout, rank: int, world: int, seqlen: int) -> torch.Tensor:
+    padded = layout.padded_len(seqlen, world)
+    parts = [
+        torch.arange(s.length, dtype=torch.long) * s.stride + s.global_start
+        for s in layout.segments(rank, world, padded)
+    ]
+    return torch.cat(parts)
+
+
+def local_positions(layout: str | Layout, rank: int, world: int, seqlen: int) -> torch.Tensor:
+    """Global position of each local slot of ``rank`` ([L] int64; values >= seqlen are padding)."""
+    return _positions(get_layout(layout), rank, world, seqlen).clone()
+
+
+@lru_cache(maxsize=64)
+def _restore(layout: Layout, world: int, seqlen: int) -> torch.Tensor:
+    perm = torch.cat([_positions(layout, r, world, seqlen) for r in range(world)])
+    return torch.argsort(perm)
+
+
+def restore_index(layout: str | Layout, world: int, seqlen: int) -> torch.Tensor:
+    """Index into the rank-major concatenation of all shards that yields global order.
+
+    ``torch.cat(shards, dim).index_select(dim, restore_index(...))`` is the padded global
+    tensor (length S_pad); its first ``seqlen`` entries are the real tokens.
+    """
+    return _restore(get_layout(layout), world, seqlen).clone()

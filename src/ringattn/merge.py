@@ -1,0 +1,71 @@
+"""Numerically stable merge of partial attention results by their log-sum-exp.
+
+Legend: B batch, S rows (queries), H heads, D head dim.
+
+Two softmax-attention results over disjoint key sets, (o_a, lse_a) and (o_b, lse_b), combine
+into the result over the union of the keys:
+
+    lse = log(exp(lse_a) + exp(lse_b))
+    o   = o_a * exp(lse_a - lse) + o_b * exp(lse_b - lse)
+
+because each o_x is sum_j p_j v_j / exp(lse_x) over its keys. The weights exp(lse_x - lse)
+are sigmoid(lse_a - lse_b) and sigmoid(lse_b - lse_a), always in [0, 1]. A row that saw no
+key in either part keeps lse = -inf and o = 0 (the weights are set to 0 there rather than
+computed as exp(-inf + inf) = NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .spec import accumulator_dtype
+
+__all__ = ["merge", "merge_"]
+
+
+def merge_(
+    out_BSHD: torch.Tensor, lse_BHS: torch.Tensor, out_b_BSHD: torch.Tensor, lse_b_BHS: torch.Tensor
+) -> None:
+    """Fold (out_b, lse_b) into the accumulators (out, lse) in place.
+
+    ``out_BSHD`` and ``lse_BHS`` are float32 (float64) accumulators; the block result may be
+    any floating dtype. Slices of larger accumulators are fine.
+    """
+    new_BHS = torch.logaddexp(lse_BHS, lse_b_BHS)
+    seen = new_BHS > float("-inf")
+    w_a = torch.where(seen, torch.exp(lse_BHS - new_BHS), 0.0)
+    w_b = torch.where(seen, torch.exp(lse_b_BHS - new_BHS), 0.0)
+    out_BSHD.mul_(w_a.transpose(1, 2).unsqueeze(-1))
+    out_BSHD.add_(out_b_BSHD * w_b.transpose(1, 2).unsqueeze(-1))
+    lse_BHS.copy_(new_BHS)
+
+
+def merge(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two attention results over disjoint key sets into the result over both.
+
+    Arguments:
+        out_a, out_b: [B, S, H, D] attention outputs for the same queries.
+        lse_a, lse_b: [B, H, S] their log-sum-exp of scaled scores (-inf: no key seen).
+
+    Returns:
+        (out, lse): out [B, S, H, D] in out_a's dtype, lse [B, H, S] in float32 (float64 for
+        float64 inputs). Differentiable in all four inputs.
+
+    Raises:
+        ValueError: if the shapes do not match.
+    """
+    if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape:
+        raise ValueError(
+            f"cannot merge out {tuple(out_a.shape)} / lse {tuple(lse_a.shape)} with "
+            f"out {tuple(out_b.shape)} / lse {tuple(lse_b.shape)}"
+        )
+    b, s, h, _ = out_a.shape
+    if tuple(lse_a.shape) != (b, h, s):
+        raise ValueError(f"lse has shape {tuple(lse_a.shape)}, expected {(b, h, s)} for out {tuple(out_a.shape)}")
+    acc = accumulator_dtype(out_a.dtype)
+    out = out_a.to(acc).clone()
+    lse = lse_a.to(acc).clone()
+    merge_(out, lse, out_b, lse_b.to(acc))
+    return out.to(out_a.dtype), lse

@@ -1,0 +1,100 @@
+"""The ring loop: one for forward, one for backward, shared by every layout and mask.
+
+Legend: B batch, L local seq (S_pad / W), H heads, Hkv kv heads, D head dim, W world size.
+
+At step t rank r holds the K/V that started on rank (r - t) mod W. Before computing on
+them it posts the hop that passes them on, then asks the plan which blocks to compute.
+
+Forward keeps fp32 accumulators (out, lse) and folds every block in with ``merge_``.
+Backward sends K/V around again; each block's gradients are computed against the FINAL
+out and lse, dQ accumulates locally, and a dK/dV accumulator (fp32) travels one step behind
+its K/V, gaining each rank's contribution, until it arrives home after a full turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .comm import RingComm
+from .kernels import Kernel
+from .layouts import Layout
+from .masks import WindowMask
+from .merge import merge_
+from .plan import plan_step
+from .spec import AttnSpec, accumulator_dtype
+
+__all__ = ["Ring", "ring_forward", "ring_backward"]
+
+
+@dataclass(frozen=True)
+class Ring:
+    """Everything the loop needs besides tensors: who we are, what to compute, with what."""
+
+    comm: RingComm
+    spec: AttnSpec
+    layout: Layout
+    mask: WindowMask
+    kernel: Kernel
+
+    def blocks(self, step: int):
+        return plan_step(self.layout, self.mask, self.comm.world, self.comm.rank, step)
+
+
+def ring_forward(q_BLHD, k_BLHD, v_BLHD, ring: Ring):
+    """Return (out [B, L, H, D] in q's dtype, lse [B, H, L] float32/float64)."""
+    b, n, h, d = q_BLHD.shape
+    acc = accumulator_dtype(q_BLHD.dtype)
+    world, scale = ring.comm.world, ring.spec.softmax_scale
+    out_BLHD = torch.zeros(b, n, h, d, dtype=acc, device=q_BLHD.device)
+    lse_BHL = torch.full((b, h, n), float("-inf"), dtype=acc, device=q_BLHD.device)
+    kv = torch.stack((k_BLHD, v_BLHD))  # one message per hop
+    spare = torch.empty_like(kv) if world > 1 else None
+    for step in range(world):
+        hop = ring.comm.hop(kv, spare, RingComm.KV_TAG) if step + 1 < world else None
+        for blk in ring.blocks(step):
+            rows, cols = slice(blk.q_start, blk.q_stop), slice(blk.k_start, blk.k_stop)
+            o, lse = ring.kernel.forward(
+                q_BLHD[:, rows], kv[0, :, cols], kv[1, :, cols], scale, blk.band
+            )
+            merge_(out_BLHD[:, rows], lse_BHL[:, :, rows], o, lse)
+        if hop is not None:
+            kv, spare = hop.wait(), kv
+    return out_BLHD.to(q_BLHD.dtype), lse_BHL
+
+
+def ring_backward(dout_BLHD, q_BLHD, k_BLHD, v_BLHD, out_BLHD, lse_BHL, ring: Ring):
+    """Return (dq, dk, dv) in the dtypes of q, k, v."""
+    acc = accumulator_dtype(q_BLHD.dtype)
+    world, scale = ring.comm.world, ring.spec.softmax_scale
+    dq_BLHD = torch.zeros(q_BLHD.shape, dtype=acc, device=q_BLHD.device)
+    kv = torch.stack((k_BLHD, v_BLHD))
+    spare = torch.empty_like(kv) if world > 1 else None
+    dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+    dkv_spare = torch.empty_like(dkv) if world > 1 else None
+    grad_hop = None
+    for step in range(world):
+        hop = ring.comm.hop(kv, spare, RingComm.KV_TAG) if step + 1 < world else None
+        grads = []
+        for blk in ring.blocks(step):
+            rows, cols = slice(blk.q_start, blk.q_stop), slice(blk.k_start, blk.k_stop)
+            dq, dk, dv = ring.kernel.backward(
+                dout_BLHD[:, rows], q_BLHD[:, rows], kv[0, :, cols], kv[1, :, cols],
+                out_BLHD[:, rows], lse_BHL[:, :, rows], scale, blk.band,
+            )
+            dq_BLHD[:, rows] += dq
+            grads.append((cols, dk, dv))
+        if grad_hop is not None:
+            # the accumulator for this step's K/V, with the contributions of earlier ranks
+            dkv, dkv_spare = grad_hop.wait(), dkv
+        for cols, dk, dv in grads:
+            dkv[0, :, cols] += dk
+            dkv[1, :, cols] += dv
+        if world > 1:
+            grad_hop = ring.comm.hop(dkv, dkv_spare, RingComm.GRAD_TAG)
+        if hop is not None:
+            kv, spare = hop.wait(), kv
+    if grad_hop is not None:
+        dkv = grad_hop.wait()  # our own block's gradients, home after a full turn
+    return dq_BLHD.to(q_BLHD.dtype), dkv[0].to(k_BLHD.dtype), dkv[1].to(v_BLHD.dtype)

@@ -1,0 +1,160 @@
+"""Shard global tensors onto the ranks of a group, and gather them back.
+
+Legend: S global seq, S_pad padded seq, L local seq (S_pad / W), W world size.
+
+Both directions are differentiable, with the semantics of a replicated tensor (every rank
+holds the same value, and a loss computed from it counts once):
+
+* ``shard`` (replicated -> sharded): backward all-gathers the shards' gradients, so the
+  gradient of the replicated input is the full gradient, on every rank.
+* ``unshard`` (sharded -> replicated): backward keeps this rank's slice of the gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .comm import agree, resolve_group
+from .layouts import LAYOUTS, get_layout, local_positions, restore_index
+
+__all__ = ["shard", "unshard", "positions"]
+
+_LAYOUT_NAMES = sorted(LAYOUTS)
+
+
+def _take_local(x, layout, rank, world, seqlen, dim):
+    """This rank's slots of the global tensor ``x`` (length seqlen on ``dim``), zero padded."""
+    pos = local_positions(layout, rank, world, seqlen).to(x.device)
+    valid = pos < seqlen
+    picked = x.index_select(dim, pos.clamp(max=seqlen - 1))
+    if bool(valid.all()):
+        return picked
+    shape = [1] * x.dim()
+    shape[dim] = pos.numel()
+    return torch.where(valid.view(shape), picked, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _gather_global(x, layout, group, world, seqlen, dim):
+    """All shards gathered and put in global order, cut to ``seqlen`` on ``dim``."""
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    full = torch.cat(parts, dim=dim)
+    idx = restore_index(layout, world, seqlen).to(x.device)
+    return full.index_select(dim, idx[:seqlen])
+
+
+class _Shard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, layout, group, seqlen, dim):
+        ctx.args = (layout, group, seqlen, dim)
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        return _take_local(x, layout, rank, world, seqlen, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        layout, group, seqlen, dim = ctx.args
+        world = dist.get_world_size(group)
+        return _gather_global(grad, layout, group, world, seqlen, dim), None, None, None, None
+
+
+class _Unshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, layout, group, seqlen, dim):
+        ctx.args = (layout, group, seqlen, dim)
+        return _gather_global(x, layout, group, dist.get_world_size(group), seqlen, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        layout, group, seqlen, dim = ctx.args
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        return _take_local(grad, layout, rank, world, seqlen, dim), None, None, None, None
+
+
+def _normalize_dim(x, dim, what):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} takes a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim={dim!r} is out of range for a tensor of shape {tuple(x.shape)}")
+    return dim % x.dim()
+
+
+def _check(x, dim, layout, seqlen, group, what, local):
+    """Shared checks of shard/unshard, agreed on by all ranks before any gather."""
+    pg = resolve_group(group)
+    world = dist.get_world_size(pg)
+    error, fields = None, {"dim": -1, "ndim": -1, "layout": -1, "seqlen": -1}
+    try:
+        dim = _normalize_dim(x, dim, what)
+        lay = get_layout(layout)
+        if seqlen is None:
+            seqlen = x.shape[dim] * world if local else x.shape[dim]
+        if not isinstance(seqlen, int) or isinstance(seqlen, bool) or seqlen < 1:
+            raise ValueError(f"seqlen must be an int >= 1, got {seqlen!r}")
+        n = x.shape[dim]
+        if local and n != lay.local_len(seqlen, world):
+            raise ValueError(
+                f"seqlen={seqlen} with layout {lay.name!r} on {world} ranks gives shards of "
+                f"{lay.local_len(seqlen, world)} along dim {dim}, but the tensor has {n}"
+            )
+        if not local and n != seqlen:
+            raise ValueError(f"tensor has {n} entries along dim {dim}, but seqlen={seqlen}")
+        fields = {"dim": dim, "ndim": x.dim(), "layout": _LAYOUT_NAMES.index(lay.name), "seqlen": seqlen}
+    except (TypeError, ValueError) as exc:  # reported on every rank by agree()
+        error = exc
+    agree(pg, fields, error)
+    return pg, lay, seqlen, dim
+
+
+def shard(x: torch.Tensor, *, group=None, layout: str = "contiguous", dim: int = 1,
+          seqlen: int | None = None) -> torch.Tensor:
+    """This rank's shard of a global tensor, padded when S does not divide the layout.
+
+    Arguments:
+        x: the global tensor (the same on every rank), sequence along ``dim``.
+        group: a ProcessGroup, a 1-D DeviceMesh, or None for the default group.
+        layout: "contiguous", "zigzag" or "striped".
+        dim: the sequence dimension (1 for [B, S, H, D]; 2 for an lse [B, H, S]).
+        seqlen: the global S; defaults to ``x.shape[dim]`` (which must equal it).
+
+    Returns:
+        The local shard, ``layout.local_len(S, W)`` long on ``dim``; padding slots are zero.
+
+    Raises:
+        TypeError, ValueError: bad input or ranks that disagree, on every rank.
+    """
+    pg, lay, seqlen, dim = _check(x, dim, layout, seqlen, group, "shard", local=False)
+    return _Shard.apply(x, lay, pg, seqlen, dim)
+
+
+def unshard(x: torch.Tensor, *, group=None, layout: str = "contiguous", dim: int = 1,
+            seqlen: int | None = None) -> torch.Tensor:
+    """Gather all ranks' shards into the global tensor, in global order, padding dropped.
+
+    Arguments:
+        x: this rank's shard, ``layout.local_len(S, W)`` long on ``dim``.
+        group, layout, dim: as for ``shard``.
+        seqlen: the global S; defaults to W * x.shape[dim] (only right when S was not padded).
+
+    Returns:
+        The global tensor, ``seqlen`` long on ``dim``, on every rank.
+
+    Raises:
+        TypeError, ValueError: bad input or ranks that disagree, on every rank.
+    """
+    pg, lay, seqlen, dim = _check(x, dim, layout, seqlen, group, "unshard", local=True)
+    return _Unshard.apply(x, lay, pg, seqlen, dim)
+
+
+def positions(seqlen: int, *, group=None, layout: str = "contiguous", device=None) -> torch.Tensor:
+    """Global position of each of this rank's local slots (for RoPE and position embeddings).
+
+    Returns:
+        [L] int64; entries >= seqlen are padding slots.
+    """
+    pg = resolve_group(group)
+    lay = get_layout(layout)
+    if not isinstance(seqlen, int) or isinstance(seqlen, bool) or seqlen < 1:
+        raise ValueError(f"seqlen must be an int >= 1, got {seqlen!r}")
+    pos = local_positions(lay, dist.get_rank(pg), dist.get_world_size(pg), seqlen)
+    return pos.to(device) if device is not None else pos

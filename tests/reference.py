@@ -1,0 +1,54 @@
+"""The float64 oracle: single-device attention on the whole, unsharded sequence.
+
+Written from the definitions (flash-attn's window convention), independently of ringattn's
+masks and kernels, so it can catch their mistakes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def visible(seqlen: int, causal: bool, window: tuple[int, int]) -> torch.Tensor:
+    """[S, S] bool: query i sees key j iff i-left <= j <= i+right (-1 unbounded), j <= i if causal."""
+    i = torch.arange(seqlen)[:, None]
+    j = torch.arange(seqlen)[None, :]
+    ok = torch.ones(seqlen, seqlen, dtype=torch.bool)
+    left, right = window
+    if left >= 0:
+        ok &= j >= i - left
+    if right >= 0:
+        ok &= j <= i + right
+    if causal:
+        ok &= j <= i
+    return ok
+
+
+def attention(q, k, v, ok, scale=None):
+    """Dense attention: q [B,S,H,D], k/v [B,S,Hkv,D], ok [S,S] -> out [B,S,H,D], lse [B,H,S]."""
+    h, hkv = q.shape[2], k.shape[2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    qh = q.transpose(1, 2)
+    kh = k.transpose(1, 2).repeat_interleave(h // hkv, dim=1)
+    vh = v.transpose(1, 2).repeat_interleave(h // hkv, dim=1)
+    s = (qh @ kh.transpose(-1, -2)) * scale
+    s = s.masked_fill(~ok, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.softmax(s, dim=-1)
+    return (p @ vh).transpose(1, 2), lse
+
+
+def reference(q, k, v, dout, ok, scale=None):
+    """float64 out, lse and the gradients of q, k, v for the upstream gradient ``dout``."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out, lse = attention(q, k, v, ok, scale)
+    out.backward(dout.double())
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| in float64."""
+    x, ref = x.double(), ref.double()
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-300))
