@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -27,6 +28,7 @@ def _worker(rank: int, world: int, init_file: str, tasks, results) -> None:
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
         timeout=timedelta(seconds=120),
     )
+    results.put((rank, True, "ready"))
     while True:
         item = tasks.get()
         if item is None:
@@ -61,6 +63,17 @@ class Cluster:
         for p in self._procs:
             p.start()
         self.alive = True
+        # wait until every rank has imported torch and joined the group, so that a test's
+        # timeout measures the test, not the start-up
+        ready = set()
+        deadline = time.monotonic() + 180
+        while len(ready) < world:
+            try:
+                rank, _, _ = self._results.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                self.close(force=True)
+                raise TimeoutError(f"ranks {sorted(set(range(world)) - ready)} of {world} never started") from None
+            ready.add(rank)
 
     def run(self, fn, *args, timeout: float = 120.0) -> list:
         """Run ``fn(*args)`` on every rank; return the per-rank results in rank order.
@@ -69,6 +82,7 @@ class Cluster:
             RankFailure: naming each rank whose call raised, with its traceback.
             TimeoutError: naming each rank that did not answer in time (it hung).
         """
+        pickle.dumps((fn, args))  # fail here, not as a silent feeder-thread error and a timeout
         for q in self._tasks:
             q.put((fn, args))
         got: dict[int, tuple[bool, object]] = {}
@@ -87,6 +101,8 @@ class Cluster:
             got[rank] = (ok, value)
         failed = [r for r in range(self.world) if not got[r][0]]
         if failed:
+            # the other ranks may be stuck in (or have timed out of) a collective: start afresh
+            self.close(force=True)
             detail = "\n".join(f"--- rank {r} ---\n{got[r][1]}" for r in failed)
             raise RankFailure(f"{fn.__name__} failed on rank(s) {failed}:\n{detail}")
         return [got[r][1] for r in range(self.world)]

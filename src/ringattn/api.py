@@ -204,5 +204,7 @@ def ring_attention(
     agree(pg, fields, error, _describe)
     mask = WindowMask(spec.seqlen, spec.left, spec.right)
     ring = Ring(comm, spec, lay, mask, kern)
+    # kernels need unit stride on the head dim (views of a fused qkv projection may not have it)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out, lse = _RingAttention.apply(q, k, v, ring)
     return (out, lse) if return_lse else out

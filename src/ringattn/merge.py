@@ -23,20 +23,25 @@ from .spec import accumulator_dtype
 __all__ = ["merge", "merge_"]
 
 
+def _weights(lse_a_BHS, lse_b_BHS):
+    """The merged lse and each part's weight, as [B, S, H, 1] factors for the outputs."""
+    new_BHS = torch.logaddexp(lse_a_BHS, lse_b_BHS)
+    seen = new_BHS > float("-inf")
+    w_a = torch.where(seen, torch.exp(lse_a_BHS - new_BHS), 0.0)
+    w_b = torch.where(seen, torch.exp(lse_b_BHS - new_BHS), 0.0)
+    return new_BHS, w_a.transpose(1, 2).unsqueeze(-1), w_b.transpose(1, 2).unsqueeze(-1)
+
+
 def merge_(
     out_BSHD: torch.Tensor, lse_BHS: torch.Tensor, out_b_BSHD: torch.Tensor, lse_b_BHS: torch.Tensor
 ) -> None:
-    """Fold (out_b, lse_b) into the accumulators (out, lse) in place.
+    """Fold (out_b, lse_b) into the accumulators (out, lse) in place (no autograd).
 
     ``out_BSHD`` and ``lse_BHS`` are float32 (float64) accumulators; the block result may be
     any floating dtype. Slices of larger accumulators are fine.
     """
-    new_BHS = torch.logaddexp(lse_BHS, lse_b_BHS)
-    seen = new_BHS > float("-inf")
-    w_a = torch.where(seen, torch.exp(lse_BHS - new_BHS), 0.0)
-    w_b = torch.where(seen, torch.exp(lse_b_BHS - new_BHS), 0.0)
-    out_BSHD.mul_(w_a.transpose(1, 2).unsqueeze(-1))
-    out_BSHD.add_(out_b_BSHD * w_b.transpose(1, 2).unsqueeze(-1))
+    new_BHS, w_a, w_b = _weights(lse_BHS, lse_b_BHS)
+    out_BSHD.mul_(w_a).add_(out_b_BSHD * w_b)
     lse_BHS.copy_(new_BHS)
 
 
@@ -65,7 +70,6 @@ def merge(
     if tuple(lse_a.shape) != (b, h, s):
         raise ValueError(f"lse has shape {tuple(lse_a.shape)}, expected {(b, h, s)} for out {tuple(out_a.shape)}")
     acc = accumulator_dtype(out_a.dtype)
-    out = out_a.to(acc).clone()
-    lse = lse_a.to(acc).clone()
-    merge_(out, lse, out_b, lse_b.to(acc))
+    lse, w_a, w_b = _weights(lse_a.to(acc), lse_b.to(acc))
+    out = out_a.to(acc) * w_a + out_b.to(acc) * w_b
     return out.to(out_a.dtype), lse

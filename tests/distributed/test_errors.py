@@ -1,0 +1,138 @@
+"""Bad input raises the same clear error on every rank before the first ring send: never a hang.
+
+Each row of the table breaks the input on all ranks or on one rank only; every rank must
+raise the expected exception class with the expected words, and a correct call right after
+it must still work (no stray message was left in flight).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringattn as ra
+
+WORLD = 3
+S = 12  # local length 4 with contiguous/striped, 4 with zigzag (2W = 6 -> padded 12)
+
+
+def _good():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 4, 8, generator=g)
+    k = torch.randn(1, 4, 2, 8, generator=g)
+    return dict(q=q, k=k, v=k.clone(), causal=True, layout="zigzag", seqlen=S)
+
+
+def _everywhere(edit):
+    return lambda a, rank: edit(a)
+
+
+def _on_rank(r, edit):
+    return lambda a, rank: edit(a) if rank == r else None
+
+
+def _set(**kw):
+    return lambda a: a.update(kw)
+
+
+ROWS = [  # (id, edit(args, rank), exception, words)
+    ("q-3d", _everywhere(lambda a: a.update(q=a["q"][0])), ValueError, "q must be 4-D"),
+    ("heads-not-multiple", _everywhere(lambda a: a.update(k=a["k"][:, :, :1].expand(1, 4, 3, 8).contiguous(), v=a["v"][:, :, :1].expand(1, 4, 3, 8).contiguous())),
+     ValueError, "q has 4 heads, not a multiple of k's 3 heads"),
+    ("heads-not-multiple-rank1-only", _on_rank(1, lambda a: a.update(k=torch.zeros(1, 4, 3, 8), v=torch.zeros(1, 4, 3, 8))),
+     ValueError, "rank 1: q has 4 heads, not a multiple of k's 3 heads"),
+    ("dtype-mismatch", _everywhere(lambda a: a.update(k=a["k"].bfloat16())), TypeError, "share a dtype"),
+    ("int-dtype", _everywhere(lambda a: a.update(q=a["q"].long())), TypeError, "torch.int64"),
+    ("not-a-tensor-rank0", _on_rank(0, _set(q=[1, 2, 3])), TypeError, "rank 0: q must be a torch.Tensor"),
+    ("unknown-layout", _everywhere(_set(layout="spiral")), ValueError, "unknown layout 'spiral'"),
+    ("bad-window", _everywhere(_set(window_size=(-2, 0))), ValueError, "window_size"),
+    ("window-not-pair", _everywhere(_set(window_size=5)), ValueError, "window_size"),
+    ("seqlen-inconsistent", _everywhere(_set(seqlen=40)), ValueError, "seqlen=40"),
+    ("seqlen-zero", _everywhere(_set(seqlen=0)), ValueError, "seqlen must be an int >= 1"),
+    ("bad-scale", _everywhere(_set(softmax_scale=-1.0)), ValueError, "softmax_scale"),
+    ("causal-not-bool", _everywhere(_set(causal="yes")), TypeError, "causal must be a bool"),
+    ("unknown-kernel", _everywhere(_set(kernel="flash9")), ValueError, "unknown kernel 'flash9'"),
+    ("kv-shape-mismatch", _everywhere(lambda a: a.update(v=a["v"][..., :4].contiguous())), ValueError, "same shape"),
+    ("batch-differs-on-rank2", _on_rank(2, lambda a: a.update(q=a["q"].repeat(2, 1, 1, 1), k=a["k"].repeat(2, 1, 1, 1), v=a["v"].repeat(2, 1, 1, 1))),
+     ValueError, "ranks disagree on batch: rank 0 has 1, rank 1 has 1, rank 2 has 2"),
+    ("causal-differs", _on_rank(1, _set(causal=False)), ValueError, "ranks disagree on causal"),
+    ("layout-differs", _on_rank(0, _set(layout="striped")), ValueError, "ranks disagree on layout"),
+    ("grad-on-one-rank", _on_rank(2, lambda a: a["q"].requires_grad_()), ValueError, "ranks disagree on needs_grad"),
+]
+
+
+def raise_table():
+    """Rank side: apply each row's edit, call ring_attention, report what was raised."""
+    rank = dist.get_rank()
+    seen = {}
+    for name, edit, _, _ in ROWS:
+        args = _good()
+        edit(args, rank)
+        q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+        try:
+            ra.ring_attention(q, k, v, **args)
+            seen[name] = ("no error", "")
+        except (TypeError, ValueError) as exc:
+            seen[name] = (type(exc).__name__, str(exc))
+        # the ring still works right after a rejected call
+        good = _good()
+        out = ra.ring_attention(good.pop("q"), good.pop("k"), good.pop("v"), **good)
+        if not torch.isfinite(out).all():
+            seen[name] = ("non-finite output after the error", "")
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_bad_input_raises_on_every_rank(clusters):
+    per_rank = clusters(WORLD).run(raise_table, timeout=90)
+    bad = []
+    for rank, seen in enumerate(per_rank):
+        for name, _, exc, words in ROWS:
+            kind, msg = seen[name]
+            if kind != exc.__name__ or words not in msg:
+                bad.append(f"rank {rank} {name}: got {kind}: {msg!r}; want {exc.__name__} with {words!r}")
+    assert not bad, "\n".join(bad)
+
+
+def shard_errors():
+    """Rank side: shard/unshard reject bad input on every rank too."""
+    rank = dist.get_rank()
+    seen = []
+    x = torch.randn(2, 10, 3)
+    for call in (
+        lambda: ra.shard(x, dim=5),
+        lambda: ra.shard(x, seqlen=11),
+        lambda: ra.unshard(torch.randn(2, 4 if rank else 5, 3), seqlen=12),
+        lambda: ra.shard(x, layout="diagonal"),
+        lambda: ra.shard("tokens"),
+    ):
+        try:
+            call()
+            seen.append("no error")
+        except (TypeError, ValueError) as exc:
+            seen.append(f"{type(exc).__name__}: {exc}")
+    return seen
+
+
+@pytest.mark.timeout(60)
+def test_shard_errors(clusters):
+    for rank, seen in enumerate(clusters(WORLD).run(shard_errors, timeout=45)):
+        assert "dim=5 is out of range" in seen[0], (rank, seen[0])
+        assert "seqlen=11" in seen[1], (rank, seen[1])
+        assert "rank 0: seqlen=12" in seen[2] and seen[2].startswith("ValueError"), (rank, seen[2])
+        assert "unknown layout 'diagonal'" in seen[3], (rank, seen[3])
+        assert seen[4].startswith("TypeError") and "torch.Tensor" in seen[4], (rank, seen[4])
+
+
+def sleep_on_rank_one(seconds):
+    if dist.get_rank() == 1:
+        import time
+        time.sleep(seconds)
+    return dist.get_rank()
+
+
+@pytest.mark.timeout(60)
+def test_a_hung_rank_is_named(clusters):
+    """The harness itself: a rank that does not answer fails the test by name, quickly."""
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] of 2 did not answer"):
+        clusters(2).run(sleep_on_rank_one, 30, timeout=3)
+    assert clusters(2).run(sleep_on_rank_one, 0) == [0, 1]  # a fresh cluster replaced it

@@ -1,0 +1,126 @@
+"""What the ring does, observed from inside: kernel calls per block class, the largest
+tensor any rank creates, and what travels over the wire."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ringattn as ra
+from ringattn.kernels import get_kernel
+
+WORLD = 4
+
+
+class CountingKernel:
+    """The real CPU kernel, counting its calls by block class (full: no band)."""
+
+    def __init__(self):
+        self.inner = get_kernel("sdpa-cpu", torch.device("cpu"), torch.float32)
+        self.name = "counting"
+        self.calls = {"fwd-full": 0, "fwd-partial": 0, "bwd-full": 0, "bwd-partial": 0}
+
+    def supports(self, device, dtype):
+        return self.inner.supports(device, dtype)
+
+    def forward(self, q, k, v, scale, band):
+        self.calls["fwd-full" if band is None else "fwd-partial"] += 1
+        return self.inner.forward(q, k, v, scale, band)
+
+    def backward(self, dout, q, k, v, out, lse, scale, band):
+        self.calls["bwd-full" if band is None else "bwd-partial"] += 1
+        return self.inner.backward(dout, q, k, v, out, lse, scale, band)
+
+
+CONFIGS = {  # name: (layout, causal, window)
+    "zigzag-causal": ("zigzag", True, (-1, -1)),
+    "striped-causal": ("striped", True, (-1, -1)),
+    "contiguous-causal": ("contiguous", True, (-1, -1)),
+    "contiguous-window-5": ("contiguous", True, (5, -1)),
+    "contiguous-window-3-3": ("contiguous", False, (3, 3)),
+    "zigzag-full": ("zigzag", False, (-1, -1)),
+}
+
+
+def count_calls(seqlen):
+    out = {}
+    for name, (layout, causal, window) in CONFIGS.items():
+        kern = CountingKernel()
+        q = torch.randn(1, seqlen // WORLD, 2, 8, requires_grad=True)
+        k = torch.randn(1, seqlen // WORLD, 2, 8, requires_grad=True)
+        o = ra.ring_attention(q, k, k, causal=causal, window_size=window, layout=layout,
+                              seqlen=seqlen, kernel=kern)
+        o.sum().backward()
+        out[name] = kern.calls
+    return out
+
+
+def expected(name, rank, w):
+    """Textbook counts per rank (a whole forward, and the same again in backward)."""
+    full, partial = {
+        "zigzag-causal": (w, 2),           # own step: 2 diagonal triangles + 1 full; others 1 full
+        "striped-causal": (0, w),          # one shifted triangle per step
+        "contiguous-causal": (rank, 1),    # earlier ranks full, own diagonal, later skipped
+        "contiguous-window-5": (0, 1 + (rank > 0)),  # own block + the corner of the previous
+        "contiguous-window-3-3": (0, 1 + (rank > 0) + (rank < w - 1)),
+        "zigzag-full": (w, 0),             # every step one coalesced full block
+    }[name]
+    return {"fwd-full": full, "fwd-partial": partial, "bwd-full": full, "bwd-partial": partial}
+
+
+@pytest.mark.timeout(120)
+def test_empty_blocks_are_skipped_not_computed(clusters):
+    per_rank = clusters(WORLD).run(count_calls, 64, timeout=90)  # shards of 16, no padding
+    for rank, calls in enumerate(per_rank):
+        for name, got in calls.items():
+            assert got == expected(name, rank, WORLD), (rank, name, got)
+
+
+class Peak(TorchDispatchMode):
+    """Records the largest tensor any op creates, and the shapes handed to p2p sends."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+        self.sent = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if "send" in func.__name__:
+            self.sent.append(tuple(args[0][0].shape) if isinstance(args[0], (list, tuple)) else tuple(args[0].shape))
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def peak_memory(seqlen, layout, causal, window):
+    w = dist.get_world_size()
+    b, h, hkv, d = 1, 8, 2, 32
+    n = seqlen // w
+    q = torch.randn(b, n, h, d, requires_grad=True)
+    k = torch.randn(b, n, hkv, d, requires_grad=True)
+    v = torch.randn(b, n, hkv, d, requires_grad=True)
+    with Peak() as peak:
+        out = ra.ring_attention(q, k, v, causal=causal, window_size=window, layout=layout, seqlen=seqlen)
+        out.backward(torch.ones_like(out))
+    return peak.largest, sorted(set(peak.sent)), (b, n, h, hkv, d)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout,causal,window", [
+    ("zigzag", True, (-1, -1)), ("striped", True, (-1, -1)), ("contiguous", False, (-1, -1)),
+    ("contiguous", True, (40, -1)),
+])
+def test_memory_is_per_shard(clusters, layout, causal, window):
+    """No rank creates a tensor that grows with the global S: the largest is at most the
+    size of the local q (fp32 dq/out accumulators) or the K/V pair of the shard, and K/V
+    travel with their own Hkv heads."""
+    seqlen = 2048
+    per_rank = clusters(WORLD).run(peak_memory, seqlen, layout, causal, window, timeout=90)
+    for rank, (largest, sent, (b, n, h, hkv, d)) in enumerate(per_rank):
+        local_q = b * n * h * d
+        assert largest <= local_q, (rank, largest, local_q)
+        assert largest < b * seqlen * h * d / 2, (rank, largest)
+        assert set(sent) <= {(2, b, n, hkv, d)}, (rank, sent)  # K/V (and dK/dV) with Hkv heads
+        assert sent, "no ring traffic was observed"
