@@ -59,6 +59,10 @@ class Layout:
 
     name: str = ""
 
+    increasing = True
+    """Every rank's local slots hold increasing global positions (true of all layouts here;
+    the plan relies on it to treat a rank's own causal block as one triangle)."""
+
     def multiple(self, world: int) -> int:
         """S_pad is the smallest multiple of this that is >= S."""
         return world

@@ -13,7 +13,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from .layouts import Layout
-from .masks import Block, BlockKind, WindowMask
+from .masks import Band, Block, BlockKind, WindowMask
 
 __all__ = ["kv_source", "plan_step", "plan_counts"]
 
@@ -67,9 +67,20 @@ def plan_step(
     """
     padded = layout.padded_len(mask.seqlen, world)
     source = kv_source(rank, step, world)
+    segments = layout.segments(rank, world, padded)
+    if source == rank and layout.increasing and mask.left is None and mask.right == 0:
+        # Own keys under a plain causal mask: with local slots in increasing global order,
+        # pos(j) <= pos(i) iff j <= i, so the whole valid prefix is ONE top-left causal
+        # block (zigzag's two diagonal triangles and the full block between them in one
+        # kernel call, which skips the empty quadrant itself).
+        n = sum(seg.valid_length(mask.seqlen) for seg in segments)
+        if n == 0:
+            return ()
+        return (Block(BlockKind.FULL, 0, 1, 0, 1) if n == 1
+                else Block(BlockKind.PARTIAL, 0, n, 0, n, Band(0, None)),)
     blocks = [
         mask.classify(qs, ks)
-        for qs in layout.segments(rank, world, padded)
+        for qs in segments
         for ks in layout.segments(source, world, padded)
     ]
     return tuple(_coalesce([b for b in blocks if b.kind is not BlockKind.EMPTY]))

@@ -51,6 +51,7 @@ def ring_forward(q_BLHD, k_BLHD, v_BLHD, ring: Ring):
     lse_BHL = torch.full((b, h, n), float("-inf"), dtype=acc, device=q_BLHD.device)
     kv = torch.stack((k_BLHD, v_BLHD))  # one message per hop
     spare = torch.empty_like(kv) if world > 1 else None
+    written: list[tuple[int, int]] = []  # row spans that hold a partial result already
     for step in range(world):
         hop = ring.comm.hop(kv, spare, RingComm.KV_TAG) if step + 1 < world else None
         for blk in ring.blocks(step):
@@ -58,7 +59,12 @@ def ring_forward(q_BLHD, k_BLHD, v_BLHD, ring: Ring):
             o, lse = ring.kernel.forward(
                 q_BLHD[:, rows], kv[0, :, cols], kv[1, :, cols], scale, blk.band
             )
-            merge_(out_BLHD[:, rows], lse_BHL[:, :, rows], o, lse)
+            if any(a < blk.q_stop and blk.q_start < b for a, b in written):
+                merge_(out_BLHD[:, rows], lse_BHL[:, :, rows], o, lse)
+            else:  # first result for these rows: merging with (0, -inf) is a copy
+                out_BLHD[:, rows] = o
+                lse_BHL[:, :, rows] = lse
+                written.append((blk.q_start, blk.q_stop))
         if hop is not None:
             kv, spare = hop.wait(), kv
     return out_BLHD.to(q_BLHD.dtype), lse_BHL

@@ -58,7 +58,7 @@ def count_calls(seqlen):
 def expected(name, rank, w):
     """Textbook counts per rank (a whole forward, and the same again in backward)."""
     full, partial = {
-        "zigzag-causal": (w, 2),           # own step: 2 diagonal triangles + 1 full; others 1 full
+        "zigzag-causal": (w - 1, 1),       # own step: one triangle over both chunks; others 1 full
         "striped-causal": (0, w),          # one shifted triangle per step
         "contiguous-causal": (rank, 1),    # earlier ranks full, own diagonal, later skipped
         "contiguous-window-5": (0, 1 + (rank > 0)),  # own block + the corner of the previous

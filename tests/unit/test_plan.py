@@ -34,6 +34,8 @@ def test_layout_is_a_permutation(layout, world):
         assert padded % lay.multiple(world) == 0 and padded - seqlen < lay.multiple(world)
         shards = [local_positions(layout, r, world, seqlen) for r in range(world)]
         assert all(s.numel() == lay.local_len(seqlen, world) for s in shards)
+        if lay.increasing:  # the plan's one-triangle own step relies on this
+            assert all(bool((s[1:] > s[:-1]).all()) for s in shards)
         perm = torch.cat(shards)
         assert torch.equal(perm.sort().values, torch.arange(padded))
         assert torch.equal(perm[restore_index(layout, world, seqlen)], torch.arange(padded))
@@ -83,12 +85,16 @@ def test_causal_block_counts(world):
     mask = window_mask(seqlen, True, (-1, -1))
     for rank in range(world):
         zz = plan_counts(get_layout("zigzag"), mask, world, rank)
-        # own step: two diagonal triangles + one full block; every other step: one full block
-        assert zz == {BlockKind.PARTIAL: 2, BlockKind.FULL: world}
+        # own step: one causal triangle over both chunks; every other step: one full block
+        assert zz == {BlockKind.PARTIAL: 1, BlockKind.FULL: world - 1}
         st = plan_counts(get_layout("striped"), mask, world, rank)
         assert st == {BlockKind.PARTIAL: world, BlockKind.FULL: 0}  # one triangle per step
         co = plan_counts(get_layout("contiguous"), mask, world, rank)
         assert co == {BlockKind.PARTIAL: 1, BlockKind.FULL: rank}  # later ranks: skipped
+        for lay in ("zigzag", "striped", "contiguous"):  # the own step is a single triangle
+            (own,) = plan_step(get_layout(lay), mask, world, rank, 0)
+            assert (own.q_start, own.q_stop, own.k_start, own.k_stop) == (0, 8, 0, 8)
+            assert own.band is not None and own.band.is_causal
 
 
 def test_window_block_counts():
