@@ -124,3 +124,40 @@ def test_memory_is_per_shard(clusters, layout, causal, window):
         assert largest < b * seqlen * h * d / 2, (rank, largest)
         assert set(sent) <= {(2, b, n, hkv, d)}, (rank, sent)  # K/V (and dK/dV) with Hkv heads
         assert sent, "no ring traffic was observed"
+
+
+class OpOrder(TorchDispatchMode):
+    """Records, in order, ring sends (S), receives (R) and attention kernel calls (K)."""
+
+    def __init__(self):
+        super().__init__()
+        self.events = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__
+        if name.startswith("send"):
+            self.events.append("S")
+        elif name.startswith("recv"):
+            self.events.append("R")
+        elif "flash_attention" in name:
+            self.events.append("K")
+        return func(*args, **(kwargs or {}))
+
+
+def op_order():
+    w = dist.get_world_size()
+    q = torch.randn(1, 8, 2, 8, requires_grad=True)
+    with OpOrder() as fwd:
+        out = ra.ring_attention(q, q, q, layout="contiguous", seqlen=8 * w)  # full: 1 block/step
+    with OpOrder() as bwd:
+        out.backward(torch.ones_like(out))
+    return "".join(fwd.events), "".join(bwd.events)
+
+
+@pytest.mark.timeout(60)
+def test_next_hop_is_posted_before_compute(clusters):
+    """Each step posts its hop (send + receive) before its kernel call; the last forward
+    step sends nothing; in backward the dK/dV accumulator leaves after each step's kernel."""
+    for rank, (fwd, bwd) in enumerate(clusters(WORLD).run(op_order, timeout=45)):
+        assert fwd == "SRK" * (WORLD - 1) + "K", (rank, fwd)
+        assert bwd == "SRKSR" * (WORLD - 1) + "KSR", (rank, bwd)
