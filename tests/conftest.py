@@ -2,6 +2,8 @@ import pytest
 
 from harness import Clusters
 
+_WORST = pytest.StashKey[dict]()
+
 
 @pytest.fixture(scope="session")
 def clusters():
@@ -9,3 +11,17 @@ def clusters():
     c = Clusters()
     yield c
     c.close()
+
+
+@pytest.fixture
+def worst_errors(request):
+    """A dict ``{(dtype, tensor): (err, tol)}`` of the worst errors seen, for the summary."""
+    return request.config.stash.setdefault(_WORST, {})
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    worst = config.stash.get(_WORST, {})
+    if worst:
+        terminalreporter.section("worst relative errors vs the float64 reference (all ranks)")
+        for (dtype, name), (err, tol) in sorted(worst.items()):
+            terminalreporter.write_line(f"{dtype:9s} {name:4s} {err:.2e}  (bound {tol:.2e})")
