@@ -22,5 +22,11 @@ demo: install
 test: install
 	$(PY) -m pytest -q tests
 
+# Benchmarks (about 25 minutes on 2 cores): JSON + PNG under benchmarks/results/.
+bench: install
+	$(PY) benchmarks/torch_ring.py
+	$(PY) benchmarks/bench_attention.py --quick
+	$(PY) benchmarks/bench_scaling.py
+
 clean:
 	rm -rf $(VENV) demo_out

@@ -64,8 +64,11 @@ def _describe(name: str, value: int) -> str:
     return str(value)
 
 
-def _check_local(q, k, v, world, causal, window_size, softmax_scale, layout, seqlen, kernel, pg):
+def _check_local(q, k, v, world, causal, window_size, softmax_scale, layout, seqlen, kernel,
+                 overlap_grad, pg):
     """Validate this rank's inputs; return (spec, layout, kernel, fields) or raise."""
+    if not isinstance(overlap_grad, bool):
+        raise TypeError(f"overlap_grad must be a bool, got {overlap_grad!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -150,6 +153,7 @@ def ring_attention(
     seqlen: int | None = None,
     return_lse: bool = False,
     kernel=None,
+    overlap_grad: bool = True,
 ):
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -182,6 +186,9 @@ def ring_attention(
         return_lse: also return the log-sum-exp of the scaled scores per query row.
         kernel: None/"auto", a name from ``ringattn.kernels.available_kernels()``, or a
             ``Kernel`` object: the local block kernel.
+        overlap_grad: in backward, let each dK/dV accumulator travel while the next step
+            computes (default). False trades that overlap for memory: about two q-sized
+            fp32 buffers less per rank at peak, useful when activations are what limits S.
 
     Returns:
         out [B, S_local, H, D] in q's dtype, or (out, lse) with lse [B, H, S_local] float32
@@ -197,13 +204,14 @@ def ring_attention(
     error, fields = None, dict.fromkeys(_FIELD_NAMES, -1)
     try:
         spec, lay, kern, fields = _check_local(
-            q, k, v, comm.world, causal, window_size, softmax_scale, layout, seqlen, kernel, pg
+            q, k, v, comm.world, causal, window_size, softmax_scale, layout, seqlen, kernel,
+            overlap_grad, pg,
         )
     except (TypeError, ValueError) as exc:  # reported on every rank by agree() below
         error = exc
     agree(pg, fields, error, _describe)
     mask = WindowMask(spec.seqlen, spec.left, spec.right)
-    ring = Ring(comm, spec, lay, mask, kern)
+    ring = Ring(comm, spec, lay, mask, kern, overlap_grad)
     # kernels need unit stride on the head dim (views of a fused qkv projection may not have it)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out, lse = _RingAttention.apply(q, k, v, ring)

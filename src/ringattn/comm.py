@@ -58,9 +58,11 @@ class Hop:
         return self
 
     def wait(self) -> torch.Tensor:
+        """Wait for both directions; return the received tensor and let go of the sent one."""
         for req in self._reqs:
             req.wait()
-        return self.recv
+        recv, self.recv, self._ops, self._reqs = self.recv, None, None, None
+        return recv
 
 
 class RingComm:

@@ -50,6 +50,7 @@ ROWS = [  # (id, edit(args, rank), exception, words)
     ("seqlen-zero", _everywhere(_set(seqlen=0)), ValueError, "seqlen must be an int >= 1"),
     ("bad-scale", _everywhere(_set(softmax_scale=-1.0)), ValueError, "softmax_scale"),
     ("causal-not-bool", _everywhere(_set(causal="yes")), TypeError, "causal must be a bool"),
+    ("overlap-grad-not-bool-rank2", _on_rank(2, _set(overlap_grad="no")), TypeError, "rank 2: overlap_grad must be a bool"),
     ("unknown-kernel", _everywhere(_set(kernel="flash9")), ValueError, "unknown kernel 'flash9'"),
     ("kv-shape-mismatch", _everywhere(lambda a: a.update(v=a["v"][..., :4].contiguous())), ValueError, "same shape"),
     ("batch-differs-on-rank2", _on_rank(2, lambda a: a.update(q=a["q"].repeat(2, 1, 1, 1), k=a["k"].repeat(2, 1, 1, 1), v=a["v"].repeat(2, 1, 1, 1))),
