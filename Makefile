@@ -22,11 +22,13 @@ demo: install
 test: install
 	$(PY) -m pytest -q tests
 
-# Benchmarks (about 25 minutes on 2 cores): JSON + PNG under benchmarks/results/.
+# Benchmarks (about 30 minutes on 2 cores): JSON + PNG under benchmarks/results/.
 bench: install
 	$(PY) benchmarks/torch_ring.py
 	$(PY) benchmarks/bench_attention.py --quick
 	$(PY) benchmarks/bench_scaling.py
+	$(PY) benchmarks/bench_paired.py
+	$(PY) benchmarks/report.py
 
 clean:
 	rm -rf $(VENV) demo_out

@@ -2,7 +2,7 @@
 
 Legend: S global seq, L local seq (S / W), H heads, D head dim, W world size.
 
-For each method, S doubles from ``--start`` until one fwd+bwd no longer fits: the run is
+For each method, S grows by about 1.5x from ``--start`` until one fwd+bwd no longer fits: the run is
 made under ``common.TensorBytes(cap=...)``, which raises as soon as the live tensor bytes
 of a process (inputs q, k, v, dout cloned inside, outputs, gradients, every intermediate)
 exceed the cap. Every S that fits is then timed without the tracker (median of
@@ -10,6 +10,7 @@ exceed the cap. Every S that fits is then timed without the tracker (median of
 longest S scales with the cap. Methods:
 
 * ``ringattn``: ringattn W=4 ranks (one thread each), causal zigzag;
+* ``ringattn-lowmem``: the same with ``overlap_grad=False``;
 * ``torch-ring``: PyTorch's ring on the same ranks (head-tail shards), for reference;
 * ``sdpa``: torch SDPA over the whole sequence in one process (``--sdpa-threads``, default
   every core).
@@ -37,7 +38,17 @@ import bench_attention as ba
 from common import (RESULTS, Cluster, RankFailure, TensorBytes, machine_info, summary,
                     write_json)
 
-METHODS = {"ringattn": "ringattn-zigzag", "torch-ring": "torch-ring", "sdpa": "sdpa"}
+METHODS = {"ringattn": "ringattn-zigzag", "ringattn-lowmem": "ringattn-zigzag" + ba.LOWMEM,
+           "torch-ring": "torch-ring", "sdpa": "sdpa"}
+
+
+GROWTH = 1.5
+"""Each S is about 1.5x the previous one (doubling cannot tell apart methods within 2x)."""
+
+
+def next_len(s: int, multiple: int = 64) -> int:
+    """The next S to try: ~GROWTH x s, a multiple of ``multiple`` (zigzag needs 2W | S)."""
+    return max(s + multiple, round(s * GROWTH / multiple) * multiple)
 
 
 def capped_task(p: ba.Point, method: str, cap: int) -> int:
@@ -95,7 +106,7 @@ def run(args, out_dir: Path) -> dict:
                                       **summary(times), "s_per_token": summary(times)["median_s"] / s})
                 rec["max_s"] = s
                 write_json(out_dir / "scaling.json", data)
-                s *= 2
+                s = next_len(s)
         finally:
             cluster.close()
     bar.close()
@@ -110,7 +121,8 @@ def plot(data, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.5))
-    colors = {"ringattn": "tab:orange", "torch-ring": "tab:red", "sdpa": "black"}
+    colors = {"ringattn": "tab:orange", "ringattn-lowmem": "tab:purple", "torch-ring": "tab:red",
+              "sdpa": "black"}
     cap_mib = data["cap_bytes"] / 2**20
     for name, rec in data["results"].items():
         if not rec["points"]:
@@ -151,10 +163,10 @@ def main(argv=None) -> None:
     ap.add_argument("--world", type=int, default=4, help="ranks for the ring methods")
     ap.add_argument("--sdpa-threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--start", type=int, default=1024)
-    ap.add_argument("--max-s", type=int, default=2**20, help="stop doubling here even if it fits")
+    ap.add_argument("--max-s", type=int, default=2**20, help="stop growing S here even if it fits")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--methods", default="sdpa,ringattn,torch-ring",
+    ap.add_argument("--methods", default="sdpa,ringattn,ringattn-lowmem,torch-ring",
                     help=f"comma list of {', '.join(METHODS)}")
     ap.add_argument("--out", type=Path, default=None,
                     help=f"output folder (default {RESULTS}, {RESULTS / 'smoke'} for --smoke)")
