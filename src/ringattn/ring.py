@@ -60,7 +60,7 @@ def ring_forward(q_BLHD, k_BLHD, v_BLHD, ring: Ring):
             o, lse = ring.kernel.forward(
                 q_BLHD[:, rows], kv[0][:, cols], kv[1][:, cols], scale, blk.band
             )
-            if any(a < blk.q_stop and blk.q_start < b for a, b in written):
+            if any(lo < blk.q_stop and blk.q_start < hi for lo, hi in written):
                 merge_(out_BLHD[:, rows], lse_BHL[:, :, rows], o, lse)
             else:  # first result for these rows: merging with (0, -inf) is a copy
                 out_BLHD[:, rows] = o
@@ -78,9 +78,9 @@ def ring_backward(dout_BLHD, q_BLHD, k_BLHD, v_BLHD, out_BLHD, lse_BHL, ring: Ri
     own step t-1. With ``ring.overlap_grad`` it is awaited after this step's kernels, so the
     hop hides behind compute, at the price of two accumulators alive during the kernels
     (the one in flight and the one arriving). Without it, it is awaited before the kernels
-    and the block gradients go straight into it: two q-sized fp32 buffers less per rank
-    (measured: 15 instead of 19.5 q-sized tensors at peak), but each step first waits for
-    its neighbour's accumulator. K/V always travel while the kernels run.
+    and the block gradients go straight into it: one accumulator fewer alive during the
+    kernels (measured at W=4: a peak of 15 instead of 16.5 q-sized tensors per rank, see
+    benchmarks/RESULTS.md), but each step first waits for its neighbour's accumulator. K/V always travel while the kernels run.
     """
     acc = accumulator_dtype(q_BLHD.dtype)
     world, scale = ring.comm.world, ring.spec.softmax_scale
