@@ -81,12 +81,20 @@ class Point:
 # ---------------------------------------------------------------------------- worker side
 
 
-LOWMEM = "-lowmem"
-"""Method suffix: ringattn with ``overlap_grad=False`` (less memory, dK/dV hop not hidden)."""
+OVERLAP = {"-overlap=kv": "kv", "-overlap=none": "none"}
+"""Method suffixes: ringattn with that ``backward_overlap`` (the default, "all", has none)."""
+LOWMEM = "-overlap=none"
 
 
 def _ring_layout(method: str) -> str:
-    return method.removeprefix("ringattn-").removesuffix(LOWMEM)
+    name = method.removeprefix("ringattn-")
+    for suffix in OVERLAP:
+        name = name.removesuffix(suffix)
+    return name
+
+
+def _ring_overlap(method: str) -> str:
+    return next((v for k, v in OVERLAP.items() if method.endswith(k)), "all")
 
 
 def _leaves(*ts):
@@ -110,11 +118,11 @@ def _fwd_bwd(p: Point, method: str, group):
     """A function (q, k, v, dout) -> (dq, dk, dv) running one forward and backward."""
     if method.startswith("ringattn-"):
         layout = _ring_layout(method)
-        overlap = not method.endswith(LOWMEM)
+        overlap = _ring_overlap(method)
 
         def call(q, k, v, do):
             out = ringattn.ring_attention(q, k, v, group=group, causal=p.causal, layout=layout,
-                                          overlap_grad=overlap)
+                                          backward_overlap=overlap)
             return torch.autograd.grad(out, (q, k, v), do)
     elif method == "torch-ring":
         def call(q, k, v, do):
@@ -267,14 +275,14 @@ def run(mode: str, out_dir: Path, phases: set[str], iters: int | None, warmup: i
                 checked.add(key)
                 work[p.w].append(("check", p, "torch-ring", 1))
             work[p.w] += [("time", p, m, 1) for m in ring_methods(p.w, mode)]
-            if p.w > 1 and p.dtype == "fp32" and p.s <= 8192:  # the memory-lean schedule's cost
+            if p.w > 1 and p.dtype == "fp32" and p.s <= 8192:  # the memory-lean schedules' cost
                 work[p.w].append(("time", p, "ringattn-zigzag" + LOWMEM, 1))
         for p, threads in sorted(sdpa.items(), key=lambda kv: kv[0].s):
             work[1] += [("time", p, "sdpa", t) for t in sorted(threads)]
     mem_work: dict[int, list] = {1: [], 2: [], 4: []}
     for p in mem:
-        mem_work[p.w] += [("memory", p, m, 1)
-                          for m in ("ringattn-zigzag", "ringattn-zigzag" + LOWMEM, "torch-ring")]
+        mem_work[p.w] += [("memory", p, m, 1) for m in
+                          ("ringattn-zigzag", *(f"ringattn-zigzag{x}" for x in OVERLAP), "torch-ring")]
         if p.w == 1:
             mem_work[1].append(("memory", replace(p, w=None), "sdpa", 1))
 
@@ -374,19 +382,19 @@ def targets(data) -> dict:
             _mem(data, "ringattn-zigzag", s, 4), _mem(data, "torch-ring", s, 4)),
         "memory S=8192 ringattn W=4 / W=1 (<= 0.35)": ratio(
             _mem(data, "ringattn-zigzag", s, 4), _mem(data, "ringattn-zigzag", s, 1)),
-        "memory S=8192 W=4 ringattn overlap_grad=False / torch-ring (<= 0.5)": ratio(
-            _mem(data, "ringattn-zigzag" + LOWMEM, s, 4), _mem(data, "torch-ring", s, 4)),
-        "memory S=8192 ringattn overlap_grad=False W=4 / W=1 (<= 0.35)": ratio(
-            _mem(data, "ringattn-zigzag" + LOWMEM, s, 4), _mem(data, "ringattn-zigzag" + LOWMEM, s, 1)),
-        "causal S=8192 W=2 ringattn-zigzag overlap_grad=False / sdpa 2 threads": ratio(
-            _median(data, "ringattn-zigzag" + LOWMEM, s, 2, True),
-            _median(data, "sdpa", s, None, True, threads=2)),
+        **{f"memory S=8192 W=4 ringattn backward_overlap={v} / torch-ring (<= 0.5)": ratio(
+            _mem(data, f"ringattn-zigzag{x}", s, 4), _mem(data, "torch-ring", s, 4))
+           for x, v in OVERLAP.items()},
+        **{f"memory S=8192 ringattn backward_overlap={v} W=4 / W=1 (<= 0.35)": ratio(
+            _mem(data, f"ringattn-zigzag{x}", s, 4), _mem(data, f"ringattn-zigzag{x}", s, 1))
+           for x, v in OVERLAP.items()},
     }
 
 
 STYLE = {"ringattn-contiguous": ("tab:blue", "o"), "ringattn-zigzag": ("tab:orange", "s"),
          "ringattn-striped": ("tab:green", "^"), "torch-ring": ("tab:red", "D"),
-         "ringattn-zigzag" + LOWMEM: ("tab:purple", "v"),
+         "ringattn-zigzag-overlap=kv": ("tab:purple", "v"),
+         "ringattn-zigzag-overlap=none": ("tab:brown", "<"),
          "sdpa 1 thread": ("0.55", "x"), "sdpa W threads": ("black", "+")}
 
 
@@ -452,7 +460,8 @@ def plot_memory(data, path: Path) -> None:
     colors = {1: "tab:blue", 2: "tab:orange", 4: "tab:green"}
     for ax, key, title in ((axes[0], "tensor_peak_bytes", "peak live tensor bytes per rank"),
                            (axes[1], "delta", "RSS high water over RSS before, per rank")):
-        for method, ls, marker in (("ringattn-zigzag", "-", "o"), ("ringattn-zigzag" + LOWMEM, "-.", "v"),
+        for method, ls, marker in (("ringattn-zigzag", "-", "o"), ("ringattn-zigzag-overlap=kv", "-.", "v"),
+                                   ("ringattn-zigzag-overlap=none", (0, (1, 1)), "<"),
                                    ("torch-ring", "--", "D"), ("sdpa", ":", "x")):
             by_w: dict = {}
             for r in data["memory"]:

@@ -10,7 +10,7 @@ exceed the cap. Every S that fits is then timed without the tracker (median of
 longest S scales with the cap. Methods:
 
 * ``ringattn``: ringattn W=4 ranks (one thread each), causal zigzag;
-* ``ringattn-lowmem``: the same with ``overlap_grad=False``;
+* ``ringattn-lean``: the same with ``backward_overlap="none"``;
 * ``torch-ring``: PyTorch's ring on the same ranks (head-tail shards), for reference;
 * ``sdpa``: torch SDPA over the whole sequence in one process (``--sdpa-threads``, default
   every core).
@@ -38,7 +38,7 @@ import bench_attention as ba
 from common import (RESULTS, Cluster, RankFailure, TensorBytes, machine_info, summary,
                     write_json)
 
-METHODS = {"ringattn": "ringattn-zigzag", "ringattn-lowmem": "ringattn-zigzag" + ba.LOWMEM,
+METHODS = {"ringattn": "ringattn-zigzag", "ringattn-lean": "ringattn-zigzag" + ba.LOWMEM,
            "torch-ring": "torch-ring", "sdpa": "sdpa"}
 
 
@@ -121,7 +121,7 @@ def plot(data, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.5))
-    colors = {"ringattn": "tab:orange", "ringattn-lowmem": "tab:purple", "torch-ring": "tab:red",
+    colors = {"ringattn": "tab:orange", "ringattn-lean": "tab:purple", "torch-ring": "tab:red",
               "sdpa": "black"}
     cap_mib = data["cap_bytes"] / 2**20
     for name, rec in data["results"].items():
@@ -166,7 +166,7 @@ def main(argv=None) -> None:
     ap.add_argument("--max-s", type=int, default=2**20, help="stop growing S here even if it fits")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--methods", default="sdpa,ringattn,ringattn-lowmem,torch-ring",
+    ap.add_argument("--methods", default="sdpa,ringattn,ringattn-lean,torch-ring",
                     help=f"comma list of {', '.join(METHODS)}")
     ap.add_argument("--out", type=Path, default=None,
                     help=f"output folder (default {RESULTS}, {RESULTS / 'smoke'} for --smoke)")

@@ -16,7 +16,7 @@ from .comm import RingComm, agree, resolve_group
 from .kernels import available_kernels, get_kernel
 from .layouts import LAYOUTS, get_layout
 from .masks import WindowMask
-from .ring import Ring, ring_backward, ring_forward
+from .ring import BACKWARD_OVERLAP, Ring, ring_backward, ring_forward
 from .spec import AttnSpec
 
 __all__ = ["ring_attention"]
@@ -65,10 +65,12 @@ def _describe(name: str, value: int) -> str:
 
 
 def _check_local(q, k, v, world, causal, window_size, softmax_scale, layout, seqlen, kernel,
-                 overlap_grad, pg):
+                 backward_overlap, pg):
     """Validate this rank's inputs; return (spec, layout, kernel, fields) or raise."""
-    if not isinstance(overlap_grad, bool):
-        raise TypeError(f"overlap_grad must be a bool, got {overlap_grad!r}")
+    if backward_overlap not in BACKWARD_OVERLAP:
+        raise ValueError(
+            f"backward_overlap must be one of {list(BACKWARD_OVERLAP)}, got {backward_overlap!r}"
+        )
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -153,7 +155,7 @@ def ring_attention(
     seqlen: int | None = None,
     return_lse: bool = False,
     kernel=None,
-    overlap_grad: bool = True,
+    backward_overlap: str = "all",
 ):
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -186,10 +188,11 @@ def ring_attention(
         return_lse: also return the log-sum-exp of the scaled scores per query row.
         kernel: None/"auto", a name from ``ringattn.kernels.available_kernels()``, or a
             ``Kernel`` object: the local block kernel.
-        overlap_grad: in backward, let each dK/dV accumulator travel while the next step
-            computes (default). False trades that overlap for memory: one dK/dV accumulator
-            fewer alive during the kernels (measured: 9% lower per-rank peak at W=4),
-            useful when activations are what limits S.
+        backward_overlap: what the backward sends while its kernels run: "all" (next K/V
+            and the dK/dV accumulators; fastest), "kv" (next K/V only: one accumulator
+            fewer alive) or "none" (nothing: no receive buffer alive during the kernels;
+            leanest, every hop exposed). Measured peaks per rank at W=4 relative to
+            "all": "kv" 0.91x, "none" about 0.8x (benchmarks/RESULTS.md); ranks may differ.
 
     Returns:
         out [B, S_local, H, D] in q's dtype, or (out, lse) with lse [B, H, S_local] float32
@@ -206,13 +209,13 @@ def ring_attention(
     try:
         spec, lay, kern, fields = _check_local(
             q, k, v, comm.world, causal, window_size, softmax_scale, layout, seqlen, kernel,
-            overlap_grad, pg,
+            backward_overlap, pg,
         )
     except (TypeError, ValueError) as exc:  # reported on every rank by agree() below
         error = exc
     agree(pg, fields, error, _describe)
     mask = WindowMask(spec.seqlen, spec.left, spec.right)
-    ring = Ring(comm, spec, lay, mask, kern, overlap_grad)
+    ring = Ring(comm, spec, lay, mask, kern, backward_overlap)
     # kernels need unit stride on the head dim (views of a fused qkv projection may not have it)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out, lse = _RingAttention.apply(q, k, v, ring)

@@ -25,7 +25,7 @@ from .merge import merge_
 from .plan import plan_step
 from .spec import AttnSpec, accumulator_dtype
 
-__all__ = ["Ring", "ring_forward", "ring_backward"]
+__all__ = ["BACKWARD_OVERLAP", "Ring", "ring_forward", "ring_backward"]
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Ring:
     layout: Layout
     mask: WindowMask
     kernel: Kernel
-    overlap_grad: bool = True
+    backward_overlap: str = "all"
 
     def blocks(self, step: int):
         return plan_step(self.layout, self.mask, self.comm.world, self.comm.rank, step)
@@ -71,29 +71,38 @@ def ring_forward(q_BLHD, k_BLHD, v_BLHD, ring: Ring):
     return out_BLHD.to(q_BLHD.dtype), lse_BHL
 
 
+BACKWARD_OVERLAP = ("all", "kv", "none")
+"""How much communication the backward overlaps with compute, from fastest to leanest."""
+
+
 def ring_backward(dout_BLHD, q_BLHD, k_BLHD, v_BLHD, out_BLHD, lse_BHL, ring: Ring):
     """Return (dq, dk, dv) in the dtypes of q, k, v.
 
     The dK/dV accumulator of step t arrives from the previous rank, which sent it after its
-    own step t-1. With ``ring.overlap_grad`` it is awaited after this step's kernels, so the
-    hop hides behind compute, at the price of two accumulators alive during the kernels
-    (the one in flight and the one arriving). Without it, it is awaited before the kernels
-    and the block gradients go straight into it: one accumulator fewer alive during the
-    kernels (measured at W=4: a peak of 15 instead of 16.5 q-sized tensors per rank, see
-    benchmarks/RESULTS.md), but each step first waits for its neighbour's accumulator. K/V always travel while the kernels run.
+    own step t-1. ``ring.backward_overlap`` decides what travels while the kernels run:
+
+    * "all": the next K/V and both accumulators (the one leaving, the one arriving); the
+      accumulator is awaited after the kernels. Fastest; the most buffers alive.
+    * "kv": the next K/V only; the accumulator is awaited before the kernels and the block
+      gradients go straight into it (one accumulator fewer alive during the kernels).
+    * "none": nothing; K/V move after the kernels, then the accumulator, each in its own
+      hop, so no receive buffer is alive during the kernels. Leanest; every hop is exposed.
+
+    Measured per-rank peaks are in benchmarks/RESULTS.md.
     """
     acc = accumulator_dtype(q_BLHD.dtype)
-    world, scale = ring.comm.world, ring.spec.softmax_scale
+    world, scale, overlap = ring.comm.world, ring.spec.softmax_scale, ring.backward_overlap
     dq_BLHD = torch.zeros(q_BLHD.shape, dtype=acc, device=q_BLHD.device)
     kv = _kv_buffer(k_BLHD, v_BLHD, world)
-    spare = torch.empty_like(kv) if world > 1 else None
+    spare = torch.empty_like(kv) if world > 1 and overlap != "none" else None
     grad_hop = None
     for step in range(world):
-        hop = ring.comm.hop(kv, spare, RingComm.KV_TAG) if step + 1 < world else None
+        more = step + 1 < world
+        hop = ring.comm.hop(kv, spare, RingComm.KV_TAG) if more and spare is not None else None
         dkv = None  # this step's accumulator, holding the contributions of earlier ranks
         if step == 0:
             dkv = torch.zeros((2, *k_BLHD.shape), dtype=acc, device=k_BLHD.device)
-        elif not ring.overlap_grad:
+        elif overlap != "all":
             dkv = grad_hop.wait()
         pending = []
         for blk in ring.blocks(step):
@@ -110,6 +119,8 @@ def ring_backward(dout_BLHD, q_BLHD, k_BLHD, v_BLHD, out_BLHD, lse_BHL, ring: Ri
         if dkv is None:
             dkv = grad_hop.wait()
             _add_block_grads(dkv, pending)
+        if more and spare is None:  # "none": K/V move now, into a buffer made for them
+            kv = ring.comm.hop(kv, torch.empty_like(kv), RingComm.KV_TAG).wait()
         if world > 1:
             grad_hop = ring.comm.hop(dkv, torch.empty_like(dkv), RingComm.GRAD_TAG)
             del dkv  # the hop holds it until its send completes

@@ -88,10 +88,10 @@ def run_cases(layout, world_cases, dtype_name):
         qx, kx, vx = (t.clone().requires_grad_() for t in (q, k, v))
         kw = dict(layout=layout, seqlen=case.seqlen)
         ql, kl, vl = (ra.shard(t, **kw) for t in (qx, kx, vx))
-        # alternate the backward's two accumulator schedules over the cases
+        # rotate the backward's three communication schedules over the cases
         out_l, lse_l = ra.ring_attention(
             ql, kl, vl, causal=case.causal, window_size=case.window, return_lse=True,
-            overlap_grad=case.seed % 2 == 0, **kw)
+            backward_overlap=("all", "kv", "none")[case.seed % 3], **kw)
         assert out_l.dtype == dtype and lse_l.dtype == torch.float32
         assert lse_l.shape == (case.batch, case.heads, ql.shape[1])
         ra.unshard(out_l, **kw).backward(do)

@@ -147,17 +147,24 @@ class OpOrder(TorchDispatchMode):
 def op_order():
     w = dist.get_world_size()
     q = torch.randn(1, 8, 2, 8, requires_grad=True)
-    with OpOrder() as fwd:
-        out = ra.ring_attention(q, q, q, layout="contiguous", seqlen=8 * w)  # full: 1 block/step
-    with OpOrder() as bwd:
-        out.backward(torch.ones_like(out))
-    return "".join(fwd.events), "".join(bwd.events)
+    orders = {}
+    for overlap in ("all", "kv", "none"):
+        with OpOrder() as fwd:  # full attention: one block per step
+            out = ra.ring_attention(q, q, q, layout="contiguous", seqlen=8 * w,
+                                    backward_overlap=overlap)
+        with OpOrder() as bwd:
+            out.backward(torch.ones_like(out))
+        orders[overlap] = ("".join(fwd.events), "".join(bwd.events))
+    return orders
 
 
 @pytest.mark.timeout(60)
 def test_next_hop_is_posted_before_compute(clusters):
     """Each step posts its hop (send + receive) before its kernel call; the last forward
-    step sends nothing; in backward the dK/dV accumulator leaves after each step's kernel."""
-    for rank, (fwd, bwd) in enumerate(clusters(WORLD).run(op_order, timeout=45)):
-        assert fwd == "SRK" * (WORLD - 1) + "K", (rank, fwd)
-        assert bwd == "SRKSR" * (WORLD - 1) + "KSR", (rank, bwd)
+    step sends nothing; in backward the dK/dV accumulator leaves after each step's kernel,
+    and with backward_overlap="none" the K/V hop waits for the kernel too."""
+    for rank, orders in enumerate(clusters(WORLD).run(op_order, timeout=45)):
+        for overlap, (fwd, bwd) in orders.items():
+            assert fwd == "SRK" * (WORLD - 1) + "K", (rank, overlap, fwd)
+            step = "KSRSR" if overlap == "none" else "SRKSR"
+            assert bwd == step * (WORLD - 1) + "KSR", (rank, overlap, bwd)
