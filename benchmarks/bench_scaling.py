@@ -20,7 +20,7 @@ that world's processes and starts the next method in fresh ones.
 
 Writes ``<out>/scaling.json`` and ``scaling.png``.
 
-    python benchmarks/bench_scaling.py            # cap 32 MiB, H=2, D=32 (about 2 min)
+    python benchmarks/bench_scaling.py            # cap 32 MiB, H=2, D=32 (about 2.5 min)
     python benchmarks/bench_scaling.py --smoke    # cap 1 MiB, from S=256
 """
 
