@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import struct
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -15,7 +16,8 @@ import torch.distributed as dist
 from .comm import RingComm, agree, resolve_group
 from .kernels import available_kernels, get_kernel
 from .layouts import LAYOUTS, get_layout
-from .masks import WindowMask
+from .masks import Mask, check_cu_seqlens, document, fingerprint, sliding_window
+from .plan import make_plan
 from .ring import BACKWARD_OVERLAP, Ring, ring_backward, ring_forward
 from .spec import AttnSpec
 
@@ -61,12 +63,29 @@ def _describe(name: str, value: int) -> str:
         return repr(struct.unpack("<d", struct.pack("<q", value))[0])
     if name == "kernel":
         return repr(available_kernels()[value]) if value < len(available_kernels()) else "a custom kernel"
+    if name == "mask":
+        return f"a mask with digest {value} (a mask function that reads rank-local data?)"
+    if name == "cu_seqlens":
+        return "none" if value == -2 else f"cu_seqlens with digest {value}"
     return str(value)
 
 
-def _check_local(q, k, v, world, causal, window_size, softmax_scale, layout, seqlen, kernel,
-                 backward_overlap, pg):
-    """Validate this rank's inputs; return (spec, layout, kernel, fields) or raise."""
+def _effective_mask(spec: AttnSpec, mask: Mask | None, cu: tuple[int, ...] | None) -> Mask:
+    """The user's mask & the document mask of ``cu_seqlens`` & the causal/window shorthands."""
+    parts = [m for m in (mask, None if cu is None else document(cu)) if m is not None]
+    if spec.left is not None or spec.right is not None or not parts:
+        left, right = spec.left, spec.right
+        parts.append(sliding_window(-1 if left is None else left, -1 if right is None else right))
+    result = parts[0]
+    for m in parts[1:]:
+        result = result & m
+    return result
+
+
+def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seqlen, mask,
+                 cu_seqlens, kernel, backward_overlap, pg):
+    """Validate this rank's inputs and plan its ring; return (spec, plan, kernel, fields)."""
+    world = comm.world
     if backward_overlap not in BACKWARD_OVERLAP:
         raise ValueError(
             f"backward_overlap must be one of {list(BACKWARD_OVERLAP)}, got {backward_overlap!r}"
@@ -101,7 +120,14 @@ def _check_local(q, k, v, world, causal, window_size, softmax_scale, layout, seq
     backend = str(dist.get_backend(pg))
     if (backend == "nccl" and q.device.type != "cuda") or (backend == "gloo" and q.device.type != "cpu"):
         raise ValueError(f"tensors on {q.device} cannot travel over a {backend!r} process group")
-    lay = get_layout(layout)
+    if mask is not None and not isinstance(mask, Mask):
+        raise TypeError(f"mask must be a ringattn.masks.Mask (see ringattn.masks.from_function), "
+                        f"got {type(mask).__name__}")
+    cu = None
+    if cu_seqlens is not None:
+        cu = check_cu_seqlens(cu_seqlens, seqlen)
+        seqlen = cu[-1] if seqlen is None else seqlen
+    lay = get_layout(layout, cu)
     if seqlen is None:
         seqlen = n * world
     if not isinstance(seqlen, int) or isinstance(seqlen, bool) or seqlen < 1:
@@ -122,7 +148,12 @@ def _check_local(q, k, v, world, causal, window_size, softmax_scale, layout, seq
         causal=causal, window_size=tuple(window_size), softmax_scale=softmax_scale,
         seqlen=seqlen, layout=lay.name,
     )
-    kern = get_kernel(kernel, q.device, q.dtype)
+    full_mask = _effective_mask(spec, mask, cu)
+    general = full_mask.band is None
+    kern = get_kernel(kernel, q.device, q.dtype, general=general)
+    digest = fingerprint(full_mask, seqlen, b, h)
+    plan = make_plan(lay, full_mask, world, comm.rank, seqlen, batch=b, heads=h,
+                     device=q.device, tile=getattr(kern, "tile", (256, 128)), digest=digest)
     names = available_kernels()
     fields = {
         "batch": b, "local_len": n, "heads": h, "kv_heads": hkv, "head_dim": d,
@@ -132,13 +163,17 @@ def _check_local(q, k, v, world, causal, window_size, softmax_scale, layout, seq
         "softmax_scale": _float_bits(softmax_scale),
         "kernel": names.index(kern.name) if kern.name in names else len(names),
         "needs_grad": int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))),
+        "mask": digest,
+        "cu_seqlens": -2 if cu is None else zlib.crc32(repr(cu).encode()) & 0x7FFFFFFF,
+        "last_step": plan.last_step,
     }
-    return spec, lay, kern, fields
+    return spec, plan, kern, fields
 
 
 _FIELD_NAMES = (
     "batch", "local_len", "heads", "kv_heads", "head_dim", "dtype", "device", "layout",
     "seqlen", "causal", "window_left", "window_right", "softmax_scale", "kernel", "needs_grad",
+    "mask", "cu_seqlens", "last_step",
 )
 
 
@@ -153,6 +188,8 @@ def ring_attention(
     softmax_scale: float | None = None,
     layout: str = "contiguous",
     seqlen: int | None = None,
+    mask: Mask | None = None,
+    cu_seqlens=None,
     return_lse: bool = False,
     kernel=None,
     backward_overlap: str = "all",
@@ -182,9 +219,21 @@ def ring_attention(
             i - left <= j <= i + right; -1 is unbounded on that side.
         softmax_scale: scale of q.k before the softmax; default 1 / sqrt(D).
         layout: "contiguous", "zigzag" or "striped": how global tokens were placed on ranks.
-        seqlen: the global S (any value >= 1). Defaults to W * S_local. Shards hold
-            ``layout.local_len(S, W)`` tokens; slots past S are padding, masked as keys and
-            yielding zeros as queries.
+        seqlen: the global S (any value >= 1). Defaults to cu_seqlens[-1], else
+            W * S_local. Shards hold ``layout.local_len(S, W)`` tokens; slots past S are
+            padding, masked as keys and yielding zeros as queries.
+        mask: a ``ringattn.masks.Mask``: any function of GLOBAL (batch, head, q_pos,
+            kv_pos), e.g. ``masks.document(cu) & masks.causal()``, ``masks.prefix_lm(n)``,
+            ``masks.dilated(...)`` or ``masks.from_function(mask_mod)``. It is and-ed with
+            ``causal``/``window_size`` and the document mask of ``cu_seqlens``. Blocks are
+            classified empty (skipped), full (unmasked kernel) or partial (masked) once per
+            (mask, layout, S, W, B, H) and the result is reused. Rows that see no key give
+            out = 0 and lse = -inf.
+        cu_seqlens: [n_docs + 1] ints (flash-attn's convention, global, starting at 0 and
+            ending at S): packed documents. Implies the document mask (no token attends
+            across a document boundary); with ``layout="zigzag"`` the layout is zigzag per
+            document (``layouts.DocumentZigzag``), balancing every document's causal work.
+            Shard with ``ringattn.shard(..., cu_seqlens=...)``.
         return_lse: also return the log-sum-exp of the scaled scores per query row.
         kernel: None/"auto", a name from ``ringattn.kernels.available_kernels()``, or a
             ``Kernel`` object: the local block kernel.
@@ -207,15 +256,14 @@ def ring_attention(
     comm = RingComm(pg)
     error, fields = None, dict.fromkeys(_FIELD_NAMES, -1)
     try:
-        spec, lay, kern, fields = _check_local(
-            q, k, v, comm.world, causal, window_size, softmax_scale, layout, seqlen, kernel,
-            backward_overlap, pg,
+        spec, plan, kern, fields = _check_local(
+            q, k, v, comm, causal, window_size, softmax_scale, layout, seqlen, mask,
+            cu_seqlens, kernel, backward_overlap, pg,
         )
     except (TypeError, ValueError) as exc:  # reported on every rank by agree() below
         error = exc
-    agree(pg, fields, error, _describe)
-    mask = WindowMask(spec.seqlen, spec.left, spec.right)
-    ring = Ring(comm, spec, lay, mask, kern, backward_overlap)
+    last = agree(pg, fields, error, _describe, reduce=("last_step",))["last_step"]
+    ring = Ring(comm, spec, plan, kern, last + 1, backward_overlap)
     # kernels need unit stride on the head dim (views of a fused qkv projection may not have it)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out, lse = _RingAttention.apply(q, k, v, ring)

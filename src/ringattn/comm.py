@@ -43,12 +43,13 @@ def resolve_group(group) -> dist.ProcessGroup:
 
 
 class Hop:
-    """One ring hop: send ``send`` to the next rank, receive ``recv`` from the previous one."""
+    """One ring hop: send ``send`` ``shift`` ranks on, receive ``recv`` from ``shift`` back."""
 
-    def __init__(self, comm: "RingComm", send: torch.Tensor, recv: torch.Tensor, tag: int):
+    def __init__(self, comm: "RingComm", send: torch.Tensor, recv: torch.Tensor, tag: int,
+                 shift: int = 1):
         self._ops = [
-            dist.P2POp(dist.isend, send, comm.next_global, comm.group, tag),
-            dist.P2POp(dist.irecv, recv, comm.prev_global, comm.group, tag),
+            dist.P2POp(dist.isend, send, comm.global_rank(comm.rank + shift), comm.group, tag),
+            dist.P2POp(dist.irecv, recv, comm.global_rank(comm.rank - shift), comm.group, tag),
         ]
         self._reqs = None
         self.recv = recv
@@ -76,12 +77,16 @@ class RingComm:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.next_global = dist.get_global_rank(group, (self.rank + 1) % self.world)
-        self.prev_global = dist.get_global_rank(group, (self.rank - 1) % self.world)
+        self._global = [dist.get_global_rank(group, r) for r in range(self.world)]
 
-    def hop(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> Hop:
-        """Post one hop now; call ``wait()`` on the result before reading ``recv``."""
-        return Hop(self, send, recv, tag).start()
+    def global_rank(self, rank: int) -> int:
+        """Global rank of group rank ``rank`` (taken mod W)."""
+        return self._global[rank % self.world]
+
+    def hop(self, send: torch.Tensor, recv: torch.Tensor, tag: int, shift: int = 1) -> Hop:
+        """Post one hop now (to rank + shift, from rank - shift); ``wait()`` before reading
+        ``recv``."""
+        return Hop(self, send, recv, tag, shift).start()
 
 
 def _metadata_device(group: dist.ProcessGroup) -> torch.device:
@@ -96,7 +101,8 @@ def agree(
     fields: dict[str, int],
     error: Exception | None,
     describe=lambda name, value: str(value),
-) -> None:
+    reduce: tuple[str, ...] = (),
+) -> dict[str, int]:
     """Raise the same exception on every rank if any rank failed or the ranks disagree.
 
     One all-gather of a small int64 vector (an error flag and the ``fields``), made before
@@ -104,6 +110,9 @@ def agree(
     peer that has already given up. Every rank must pass the same field names; a rank that
     failed its local checks passes -1 for what it could not compute. Only when some rank
     failed is a second exchange made, of the error messages, so all ranks can name them.
+
+    Fields named in ``reduce`` may differ between ranks; their maximum over the ranks is
+    returned (a dict, the same on every rank).
 
     Raises:
         ValueError or TypeError: the class of the lowest failing rank's error, with every
@@ -113,7 +122,7 @@ def agree(
     if world == 1:
         if error is not None:
             raise error
-        return
+        return {name: int(fields[name]) for name in reduce}
     names = list(fields)
     flag = 0 if error is None else (2 if isinstance(error, TypeError) else 1)
     row = torch.tensor([flag, *(int(fields[n]) for n in names)], dtype=torch.int64)
@@ -129,6 +138,7 @@ def agree(
         raise cls("; ".join(f"rank {r}: {messages[r]}" for r in failed))
     for i, name in enumerate(names, start=1):
         col = table[:, i]
-        if (col != col[0]).any():
+        if name not in reduce and (col != col[0]).any():
             values = ", ".join(f"rank {r} has {describe(name, int(col[r]))}" for r in range(world))
             raise ValueError(f"ranks disagree on {name}: {values}")
+    return {name: int(table[:, names.index(name) + 1].max()) for name in reduce}

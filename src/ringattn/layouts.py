@@ -15,7 +15,7 @@ permutation (see ``restore_index``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -26,6 +26,7 @@ __all__ = [
     "Contiguous",
     "Zigzag",
     "Striped",
+    "DocumentZigzag",
     "LAYOUTS",
     "get_layout",
     "local_positions",
@@ -113,15 +114,75 @@ class Striped(Layout):
         return (Segment(0, padded // world, rank, world),)
 
 
+@dataclass(frozen=True)
+class DocumentZigzag(Layout):
+    """Zigzag applied to every packed document: each document is cut into 2W chunks and
+    rank r holds chunks r and 2W-1-r of EVERY document, so each document's causal work is
+    spread evenly over the ranks (plain zigzag balances only the whole sequence).
+
+    Chunks of one document differ by at most one token; the tokens left over when a length
+    does not divide 2W go to ranks in round-robin order carried across documents, so ranks
+    hold S/W tokens give or take one (documents shorter than W, even of length 1, are fine).
+    Each rank's buffer is padded to ceil(S / W) slots at its end.
+
+    ``cu_seqlens`` is flash-attn's [0, end_0, ..., S]; build this layout with
+    ``get_layout("zigzag", cu_seqlens=...)``.
+    """
+
+    cu_seqlens: tuple[int, ...] = field(default=(0, 1), kw_only=True)
+    name: str = "zigzag"
+
+    def multiple(self, world: int) -> int:
+        return world
+
+    def segments(self, rank: int, world: int, padded: int) -> tuple[Segment, ...]:
+        return _document_segments(self.cu_seqlens, world, padded)[rank]
+
+
+@lru_cache(maxsize=64)
+def _document_segments(cu: tuple[int, ...], world: int, padded: int):
+    per_rank: list[list[Segment]] = [[] for _ in range(world)]
+    used = [0] * world
+    turn = 0  # the rank that gets the next left-over token
+    for start, stop in zip(cu[:-1], cu[1:]):
+        base, extra = divmod(stop - start, 2 * world)
+        gets = [0] * world
+        for i in range(extra):
+            gets[(turn + i) % world] += 1
+        turn = (turn + extra) % world
+        sizes = [base + (gets[c] >= 1) for c in range(world)]  # early chunks, rank order
+        sizes += [base + (gets[r] == 2) for r in reversed(range(world))]  # late chunks
+        offset = start
+        for c, size in enumerate(sizes):
+            r = c if c < world else 2 * world - 1 - c
+            if size:
+                per_rank[r].append(Segment(used[r], size, offset, 1))
+                used[r] += size
+            offset += size
+    local = padded // world
+    pad_start = cu[-1]
+    for r in range(world):  # padding slots get unique positions >= S, rank by rank
+        if used[r] < local:
+            per_rank[r].append(Segment(used[r], local - used[r], pad_start, 1))
+            pad_start += local - used[r]
+    return tuple(tuple(segs) for segs in per_rank)
+
+
 LAYOUTS: dict[str, Layout] = {lay.name: lay for lay in (Contiguous(), Zigzag(), Striped())}
 
 
-def get_layout(layout: str | Layout) -> Layout:
-    """Return the layout object for a name (or the object itself)."""
+def get_layout(layout: str | Layout, cu_seqlens: tuple[int, ...] | None = None) -> Layout:
+    """Return the layout object for a name (or the object itself).
+
+    With ``cu_seqlens`` (validated flash-attn offsets), "zigzag" is ``DocumentZigzag``:
+    zigzag per packed document. Other layouts do not depend on documents.
+    """
     if isinstance(layout, Layout):
         return layout
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {sorted(LAYOUTS)}")
+    if cu_seqlens is not None and layout == "zigzag":
+        return DocumentZigzag(cu_seqlens=tuple(cu_seqlens))
     return LAYOUTS[layout]
 
 

@@ -13,13 +13,29 @@ aligned causal triangle that fused kernels run natively.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 
 import torch
 
 from .layouts import Segment
 
-__all__ = ["BlockKind", "Band", "Block", "WindowMask"]
+__all__ = [
+    "Mask",
+    "causal",
+    "sliding_window",
+    "document",
+    "prefix_lm",
+    "dilated",
+    "from_function",
+    "full",
+    "BlockKind",
+    "Band",
+    "Block",
+    "BlockMask",
+    "WindowMask",
+    "evaluate",
+]
 
 
 class BlockKind(enum.Enum):
@@ -64,7 +80,7 @@ class Block:
     """What one (q-segment, kv-segment) pair needs, in local buffer coordinates.
 
     Rows [q_start, q_stop) of the local queries against columns [k_start, k_stop) of the
-    visiting keys; ``band`` is None for FULL blocks.
+    visiting keys; ``mask`` is None for FULL blocks, else a ``Band`` or a ``BlockMask``.
     """
 
     kind: BlockKind
@@ -72,7 +88,7 @@ class Block:
     q_stop: int = 0
     k_start: int = 0
     k_stop: int = 0
-    band: Band | None = None
+    mask: "Band | BlockMask | None" = None
 
 
 EMPTY_BLOCK = Block(BlockKind.EMPTY)
@@ -137,3 +153,358 @@ class WindowMask:
             kseg.local_start + j1,
             band,
         )
+
+
+# ---------------------------------------------------------------------------------------
+# Masks users write: functions of GLOBAL (batch, head, q_pos, kv_pos), composable with & |.
+# ---------------------------------------------------------------------------------------
+
+
+class Mask:
+    """Visibility as a function of global (batch, head, q_pos, kv_pos), like flex's mask_mod.
+
+    ``mask(b, h, q, kv)`` takes integer tensors that broadcast against each other (the ring
+    passes ``b`` [B,1,1,1], ``h`` [1,H,1,1], ``q`` [1,1,Sq,1], ``kv`` [1,1,1,Sk]; flex passes
+    0-d tensors) and returns a bool tensor of their broadcast shape. Positions are global,
+    so a mask written for the whole sequence works unchanged on shards. Combine masks with
+    ``&`` (both allow) and ``|`` (either allows).
+
+    A mask must be a pure function of its arguments: the ring classifies blocks once per
+    (mask, layout, S, W, B, H) and reuses the result across calls, forward and backward.
+    """
+
+    band: tuple[int | None, int | None] | None = None
+    """(left, right) when the mask is exactly ``left >= q - kv >= -right`` (None: unbounded
+    side); such masks are classified analytically on regular layouts."""
+
+    def __call__(self, b, h, q, kv) -> torch.Tensor:
+        raise NotImplementedError
+
+    def key(self):
+        """A hashable value identifying what the mask computes (its cache key)."""
+        return self
+
+    def __and__(self, other: "Mask") -> "Mask":
+        return _combine(self, other, "and")
+
+    def __or__(self, other: "Mask") -> "Mask":
+        return _combine(self, other, "or")
+
+    def __hash__(self):
+        k = self.key()
+        return id(self) if k is self else hash(k)
+
+    def __eq__(self, other):
+        if not isinstance(other, Mask):
+            return NotImplemented
+        k = self.key()
+        return self is other if k is self else k == other.key()
+
+
+class _Band(Mask):
+    def __init__(self, left: int | None, right: int | None):
+        self.band = (left, right)
+
+    def key(self):
+        return ("band", self.band)
+
+    def __call__(self, b, h, q, kv):
+        left, right = self.band
+        ok = torch.ones((), dtype=torch.bool, device=q.device).expand(torch.broadcast_shapes(q.shape, kv.shape))
+        if left is not None:
+            ok = ok & (kv >= q - left)
+        if right is not None:
+            ok = ok & (kv <= q + right)
+        return ok
+
+    def __repr__(self):
+        return f"band(left={self.band[0]}, right={self.band[1]})"
+
+
+def full() -> Mask:
+    """Every query sees every key (the identity of ``&``)."""
+    return _Band(None, None)
+
+
+def causal() -> Mask:
+    """Query q sees key kv iff kv <= q."""
+    return _Band(None, 0)
+
+
+def sliding_window(left: int, right: int = 0) -> Mask:
+    """flash-attn's window: query q sees key kv iff q - left <= kv <= q + right.
+
+    ``right=0`` (the default) is a causal sliding window; -1 on either side is unbounded.
+    """
+    for name, x in (("left", left), ("right", right)):
+        if not isinstance(x, int) or isinstance(x, bool) or x < -1:
+            raise ValueError(f"sliding_window {name} must be an int >= 0 or -1, got {x!r}")
+    return _Band(None if left < 0 else left, None if right < 0 else right)
+
+
+class _Combined(Mask):
+    def __init__(self, parts: tuple[Mask, ...], op: str):
+        self.parts, self.op = parts, op
+        if op == "and" and all(p.band is not None for p in parts):
+            lefts = [p.band[0] for p in parts if p.band[0] is not None]
+            rights = [p.band[1] for p in parts if p.band[1] is not None]
+            self.band = (min(lefts) if lefts else None, min(rights) if rights else None)
+
+    def key(self):
+        return (self.op, tuple(p.key() for p in self.parts))
+
+    def __call__(self, b, h, q, kv):
+        result = None
+        for p in self.parts:
+            r = p(b, h, q, kv)
+            result = r if result is None else (result & r if self.op == "and" else result | r)
+        return result
+
+    def __repr__(self):
+        return "(" + f" {'&' if self.op == 'and' else '|'} ".join(map(repr, self.parts)) + ")"
+
+
+def _combine(a: Mask, b: Mask, op: str) -> Mask:
+    if not isinstance(a, Mask) or not isinstance(b, Mask):
+        raise TypeError(f"masks combine with masks, not {type(b).__name__}")
+    parts = []
+    for m in (a, b):
+        parts.extend(m.parts if isinstance(m, _Combined) and m.op == op else (m,))
+    return _Combined(tuple(parts), op)
+
+
+def _int_tensor(x, name: str) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        if x.dtype.is_floating_point or x.dtype == torch.bool or x.dim() != 1:
+            raise TypeError(f"{name} must be a 1-D integer tensor, got {x.dtype} shape {tuple(x.shape)}")
+        return x.detach().to("cpu", torch.int64)
+    if isinstance(x, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in x):
+        return torch.tensor(x, dtype=torch.int64)
+    raise TypeError(f"{name} must be a 1-D integer tensor or a list of ints, got {type(x).__name__}")
+
+
+def check_cu_seqlens(cu_seqlens, seqlen: int | None = None) -> tuple[int, ...]:
+    """Validate flash-attn style cu_seqlens [0, end_0, end_1, ..., S]; return them as a tuple.
+
+    Raises:
+        TypeError: not an integer sequence. ValueError: not starting at 0, not strictly
+            increasing, or (given ``seqlen``) not ending at S.
+    """
+    cu = _int_tensor(cu_seqlens, "cu_seqlens")
+    if cu.numel() < 2:
+        raise ValueError(f"cu_seqlens needs at least 2 entries [0, ..., S], got {cu.tolist()}")
+    if int(cu[0]) != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {int(cu[0])}")
+    steps = cu[1:] - cu[:-1]
+    if bool((steps <= 0).any()):
+        i = int(torch.nonzero(steps <= 0)[0])
+        raise ValueError(
+            f"cu_seqlens must be strictly increasing, but entry {i + 1} ({int(cu[i + 1])}) "
+            f"follows {int(cu[i])}"
+        )
+    if seqlen is not None and int(cu[-1]) != seqlen:
+        raise ValueError(f"cu_seqlens must end at S={seqlen}, but ends at {int(cu[-1])}")
+    return tuple(cu.tolist())
+
+
+class _Document(Mask):
+    def __init__(self, cu: tuple[int, ...]):
+        self.cu = cu
+        lengths = torch.tensor(cu[1:]) - torch.tensor(cu[:-1])
+        self._doc = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths)
+        self._on: dict = {}
+
+    def key(self):
+        return ("document", self.cu)
+
+    def doc_ids(self, device) -> torch.Tensor:
+        """[S] int32: the document of every global position, on ``device``."""
+        device = torch.device(device)
+        if device not in self._on:
+            self._on[device] = self._doc.to(device)
+        return self._on[device]
+
+    def __call__(self, b, h, q, kv):
+        doc = self.doc_ids(q.device)
+        last = doc.numel() - 1
+        return doc[q.clamp(0, last)] == doc[kv.clamp(0, last)]
+
+    def __repr__(self):
+        return f"document({len(self.cu) - 1} documents, S={self.cu[-1]})"
+
+
+def document(cu_seqlens) -> Mask:
+    """Packed documents: q sees kv iff both lie in the same document.
+
+    Arguments:
+        cu_seqlens: [n_docs + 1] ints, flash-attn's convention: document d holds global
+            positions [cu_seqlens[d], cu_seqlens[d+1]); starts at 0, strictly increasing,
+            ends at S.
+    """
+    return _Document(check_cu_seqlens(cu_seqlens))
+
+
+class _PrefixLM(Mask):
+    def __init__(self, prefix):
+        self.prefix = prefix
+        self._t = torch.tensor(prefix, dtype=torch.int64) if isinstance(prefix, tuple) else None
+
+    def key(self):
+        return ("prefix_lm", self.prefix)
+
+    def __call__(self, b, h, q, kv):
+        n = self.prefix if self._t is None else self._t.to(q.device)[b]
+        return (kv < n) | (kv <= q)
+
+    def __repr__(self):
+        return f"prefix_lm({self.prefix})"
+
+
+def prefix_lm(prefix_len) -> Mask:
+    """Every query sees the keys of the prefix (kv < prefix_len); causal after it.
+
+    Arguments:
+        prefix_len: an int, or [B] ints (one prefix length per batch row).
+    """
+    if isinstance(prefix_len, int) and not isinstance(prefix_len, bool):
+        if prefix_len < 0:
+            raise ValueError(f"prefix_len must be >= 0, got {prefix_len}")
+        return _PrefixLM(prefix_len)
+    t = _int_tensor(prefix_len, "prefix_len")
+    if bool((t < 0).any()):
+        raise ValueError(f"prefix_len must be >= 0, got {t.tolist()}")
+    return _PrefixLM(tuple(t.tolist()))
+
+
+class _Dilated(Mask):
+    def __init__(self, segment: int, dilation: int, head_offsets: bool):
+        self.args = (segment, dilation, head_offsets)
+
+    def key(self):
+        return ("dilated", self.args)
+
+    def __call__(self, b, h, q, kv):
+        segment, dilation, head_offsets = self.args
+        off = (h % dilation) if head_offsets else 0
+        same = torch.div(q, segment, rounding_mode="floor") == torch.div(kv, segment, rounding_mode="floor")
+        return same & ((q - off) % dilation == 0) & ((kv - off) % dilation == 0)
+
+    def __repr__(self):
+        return "dilated(segment={}, dilation={}, head_offsets={})".format(*self.args)
+
+
+def dilated(segment: int, dilation: int, head_offsets: bool = True) -> Mask:
+    """LongNet's dilated attention: within each segment of ``segment`` positions, the
+    positions p with p % dilation == offset attend to each other.
+
+    With ``head_offsets`` head h uses offset h % dilation, so the heads together cover every
+    position; without, offset 0. Queries outside the pattern see no key (out = 0,
+    lse = -inf), which is what lets several dilated attentions be mixed by ``ra.merge``.
+    """
+    for name, x in (("segment", segment), ("dilation", dilation)):
+        if not isinstance(x, int) or isinstance(x, bool) or x < 1:
+            raise ValueError(f"dilated {name} must be an int >= 1, got {x!r}")
+    return _Dilated(segment, dilation, bool(head_offsets))
+
+
+class _Function(Mask):
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, b, h, q, kv):
+        return self.fn(b, h, q, kv)
+
+    def __repr__(self):
+        return f"from_function({getattr(self.fn, '__qualname__', self.fn)!r})"
+
+
+def from_function(fn) -> Mask:
+    """Wrap a flex_attention ``mask_mod``: ``fn(b, h, q_pos, kv_pos) -> bool tensor``.
+
+    Positions are GLOBAL. ``fn`` must use tensor operations only (it is called on
+    broadcasting index tensors and, on CUDA, under flex's vmap) and must be pure: the ring
+    caches its classification per mask object, so build a new mask if captured data
+    changes.
+    """
+    if not callable(fn):
+        raise TypeError(f"from_function takes a callable mask_mod, got {type(fn).__name__}")
+    return _Function(fn)
+
+
+def evaluate(mask: Mask, seqlen: int, q_pos: torch.Tensor, kv_pos: torch.Tensor,
+             batch: int, heads: int) -> torch.Tensor:
+    """Visibility of query positions ``q_pos`` [Sq] against key positions ``kv_pos`` [Sk].
+
+    Positions >= ``seqlen`` are padding and never visible; they are clamped before the mask
+    sees them, so a mask may index tensors of length S with its arguments.
+
+    Returns:
+        bool [Bm, Hm, Sq, Sk] with Bm in {1, batch} and Hm in {1, heads} (1 where the mask
+        does not depend on batch or head).
+
+    Raises:
+        ValueError: the mask raised, or returned something not boolean or of the wrong shape.
+    """
+    dev = q_pos.device
+    b = torch.arange(batch, device=dev).view(batch, 1, 1, 1)
+    h = torch.arange(heads, device=dev).view(1, heads, 1, 1)
+    q = q_pos.clamp(max=seqlen - 1).view(1, 1, -1, 1)
+    kv = kv_pos.to(dev).clamp(max=seqlen - 1).view(1, 1, 1, -1)
+    try:
+        r = mask(b, h, q, kv)
+    except Exception as exc:  # a user's mask_mod: report it as bad input, with its cause
+        raise ValueError(f"mask {mask!r} failed on global position tensors: "
+                         f"{type(exc).__name__}: {exc}") from exc
+    if not isinstance(r, torch.Tensor) or r.dtype != torch.bool:
+        what = r.dtype if isinstance(r, torch.Tensor) else type(r).__name__
+        raise ValueError(f"mask {mask!r} must return a bool tensor, got {what}")
+    full_shape = (batch, heads, q.shape[2], kv.shape[3])
+    try:
+        if torch.broadcast_shapes(r.shape, full_shape) != full_shape:
+            raise RuntimeError
+    except RuntimeError:
+        raise ValueError(f"mask {mask!r} returned shape {tuple(r.shape)}, which does not "
+                         f"broadcast to [B, H, Sq, Sk] = {list(full_shape)}") from None
+    r = r.reshape((1,) * (4 - r.dim()) + tuple(r.shape))
+    shape = (r.shape[0], r.shape[1], q.shape[2], kv.shape[3])
+    valid = (q_pos < seqlen).view(-1, 1) & (kv_pos.to(dev) < seqlen).view(1, -1)
+    return r.expand(shape) & valid
+
+
+def fingerprint(mask: Mask, seqlen: int, batch: int, heads: int) -> int:
+    """A 31-bit digest of the mask on a fixed probe of positions, the same on every rank
+    for a mask that is the same function everywhere (the ranks compare it before any send)."""
+    n = min(seqlen, 48)
+    probe = torch.unique(torch.cat([
+        torch.arange(min(seqlen, 16)),
+        torch.linspace(0, seqlen - 1, n).round().long(),
+        torch.arange(max(0, seqlen - 16), seqlen),
+    ]))
+    vis = evaluate(mask, seqlen, probe, probe, batch, heads)
+    data = vis.reshape(-1).to(torch.uint8).numpy().tobytes()
+    return zlib.crc32(repr(tuple(vis.shape)).encode() + data) & 0x7FFFFFFF
+
+
+@dataclass(eq=False)
+class BlockMask:
+    """Visibility of one PARTIAL block under a general mask, in the block's own rows/cols.
+
+    The dense bool [Bm, Hm, Sq, Sk] is kept when it was computed during classification
+    (``stored``), or computed again from the mask and positions on demand. ``cache`` holds
+    what kernels derive from it (additive masks, flex block masks), so that too is built
+    once per plan.
+    """
+
+    mask: Mask
+    seqlen: int
+    q_pos: torch.Tensor
+    kv_pos: torch.Tensor
+    batch: int
+    heads: int
+    stored: torch.Tensor | None = None
+    cache: dict = field(default_factory=dict)
+
+    def dense(self) -> torch.Tensor:
+        if self.stored is not None:
+            return self.stored
+        return evaluate(self.mask, self.seqlen, self.q_pos, self.kv_pos, self.batch, self.heads)

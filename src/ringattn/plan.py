@@ -10,12 +10,15 @@ reuse one classification.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
-from .layouts import Layout
-from .masks import Band, Block, BlockKind, WindowMask
+import torch
 
-__all__ = ["kv_source", "plan_step", "plan_counts"]
+from .layouts import Layout, local_positions
+from .masks import Band, Block, BlockKind, BlockMask, Mask, WindowMask, evaluate
+
+__all__ = ["kv_source", "plan_step", "plan_counts", "make_plan", "Plan"]
 
 
 def kv_source(rank: int, step: int, world: int) -> int:
@@ -93,3 +96,128 @@ def plan_counts(layout: Layout, mask: WindowMask, world: int, rank: int) -> dict
         for b in plan_step(layout, mask, world, rank, step):
             counts[b.kind] += 1
     return counts
+
+
+# ---------------------------------------------------------------------------------------
+# General masks: classified by evaluating the mask on tiles of local slots.
+# ---------------------------------------------------------------------------------------
+
+STORED_MASK_BYTES = 64 << 20
+"""Partial tiles' dense masks are kept with the plan up to this many bytes per plan; past
+it they are evaluated again when a kernel needs them (masks with few partial tiles, such as
+documents and causal, stay far below it)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Blocks for every ring step of one rank; ``last_step`` is the last step with any."""
+
+    steps: tuple[tuple[Block, ...], ...]
+
+    @property
+    def last_step(self) -> int:
+        return max((t for t, blocks in enumerate(self.steps) if blocks), default=0)
+
+    def counts(self) -> dict[BlockKind, int]:
+        counts = {BlockKind.FULL: 0, BlockKind.PARTIAL: 0}
+        for blocks in self.steps:
+            for b in blocks:
+                counts[b.kind] += 1
+        return counts
+
+
+def _valid_prefix(pos: torch.Tensor, seqlen: int) -> int:
+    # local slots hold increasing positions, so real tokens (< S) are a prefix
+    return int((pos < seqlen).sum())
+
+
+def _tile_runs(kinds: list[BlockKind]):
+    """Maximal runs of equal, non-EMPTY tile kinds: (first tile, stop tile, kind)."""
+    runs, start = [], None
+    for i, k in enumerate([*kinds, BlockKind.EMPTY]):
+        if start is not None and k is not kinds[start]:
+            runs.append((start, i, kinds[start]))
+            start = None
+        if start is None and k is not BlockKind.EMPTY:
+            start = i
+    return runs
+
+
+def _classify_step(mask, seqlen, q_pos, kv_pos, batch, heads, tile, budget):
+    """Blocks of one (local queries, visiting keys) pair under a general mask."""
+    nq, nk = _valid_prefix(q_pos, seqlen), _valid_prefix(kv_pos, seqlen)
+    if nq == 0 or nk == 0:
+        return []
+    rows_per, cols_per = tile if tile is not None else (256, nk)
+    ntc = -(-nk // cols_per)
+    blocks, any_visible, all_full = [], False, True
+    for a in range(0, nq, rows_per):
+        e = min(nq, a + rows_per)
+        vis = evaluate(mask, seqlen, q_pos[a:e], kv_pos[:nk], batch, heads)
+        seen, every = vis.any(1).any(0), vis.all(1).all(0)  # [rows, nk] over batch/heads
+        pad = ntc * cols_per - nk
+        t_any = torch.nn.functional.pad(seen, (0, pad)).view(e - a, ntc, cols_per).any(2).any(0)
+        t_all = torch.nn.functional.pad(every, (0, pad), value=True).view(e - a, ntc, cols_per).all(2).all(0)
+        kinds = [BlockKind.EMPTY if not x else BlockKind.FULL if y else BlockKind.PARTIAL
+                 for x, y in zip(t_any.tolist(), t_all.tolist())]
+        any_visible |= any(k is not BlockKind.EMPTY for k in kinds)
+        all_full &= all(k is BlockKind.FULL for k in kinds)
+        if tile is None:
+            continue
+        for t0, t1, kind in _tile_runs(kinds):
+            c0, c1 = t0 * cols_per, min(nk, t1 * cols_per)
+            payload = None
+            if kind is BlockKind.PARTIAL:
+                dense = vis[..., c0:c1]
+                keep = dense.numel() <= budget[0]
+                budget[0] -= dense.numel() if keep else 0
+                payload = BlockMask(mask, seqlen, q_pos[a:e], kv_pos[c0:c1], batch, heads,
+                                    dense.clone() if keep else None)
+            blocks.append(Block(kind, a, e, c0, c1, payload))
+    if tile is None:  # one block per step: the kernel skips empty tiles itself (flex)
+        if not any_visible:
+            return []
+        if all_full and nq == q_pos.numel() and nk == kv_pos.numel():
+            return [Block(BlockKind.FULL, 0, nq, 0, nk)]
+        n, m = q_pos.numel(), kv_pos.numel()
+        return [Block(BlockKind.PARTIAL, 0, n, 0, m,
+                      BlockMask(mask, seqlen, q_pos, kv_pos, batch, heads))]
+    return _coalesce(blocks)
+
+
+@lru_cache(maxsize=16)
+def _general_plan(layout, mask, digest, world, rank, seqlen, batch, heads, device, tile) -> Plan:
+    pos = [local_positions(layout, r, world, seqlen).to(device) for r in range(world)]
+    budget = [STORED_MASK_BYTES]
+    steps = tuple(
+        tuple(_classify_step(mask, seqlen, pos[rank], pos[kv_source(rank, t, world)],
+                             batch, heads, tile, budget))
+        for t in range(world)
+    )
+    return Plan(steps)
+
+
+def make_plan(layout: Layout, mask: Mask, world: int, rank: int, seqlen: int, *,
+              batch: int = 1, heads: int = 1, device="cpu",
+              tile: tuple[int, int] | None = (256, 128), digest: int = 0) -> Plan:
+    """The blocks rank ``rank`` computes at every ring step, for any mask and layout.
+
+    Masks that are a band (causal, sliding windows, their intersections) are classified
+    analytically per segment pair (``plan_step``). Any other mask is evaluated on tiles of
+    local slots (``tile`` = (rows, cols)): each tile is EMPTY, FULL or PARTIAL over all
+    batch rows and heads, and runs of equal tiles along a row tile become blocks; PARTIAL
+    blocks carry their dense mask. ``tile=None`` makes one block per step for kernels that
+    skip tiles themselves (flex_attention).
+
+    Plans are cached per (layout, mask, digest, W, rank, S, B, H, device, tile): forward
+    and backward, and every layer of a model, share one classification.
+
+    Raises:
+        ValueError: the mask failed or returned something that is not a bool tensor.
+    """
+    if mask.band is not None:
+        left, right = mask.band
+        window = WindowMask(seqlen, left, right)
+        return Plan(tuple(plan_step(layout, window, world, rank, t) for t in range(world)))
+    return _general_plan(layout, mask, digest, world, rank, seqlen, batch, heads,
+                         torch.device(device), tile)

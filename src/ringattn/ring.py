@@ -19,10 +19,8 @@ import torch
 
 from .comm import RingComm
 from .kernels import Kernel
-from .layouts import Layout
-from .masks import WindowMask
 from .merge import merge_
-from .plan import plan_step
+from .plan import Plan
 from .spec import AttnSpec, accumulator_dtype
 
 __all__ = ["BACKWARD_OVERLAP", "Ring", "ring_forward", "ring_backward"]
@@ -34,31 +32,33 @@ class Ring:
 
     comm: RingComm
     spec: AttnSpec
-    layout: Layout
-    mask: WindowMask
+    plan: Plan
     kernel: Kernel
+    steps: int
+    """Ring steps taken: 1 + the last step at which ANY rank has a block (agreed by all
+    ranks). K/V stop travelling after it; the dK/dV accumulators then go straight home."""
     backward_overlap: str = "all"
 
     def blocks(self, step: int):
-        return plan_step(self.layout, self.mask, self.comm.world, self.comm.rank, step)
+        return self.plan.steps[step]
 
 
 def ring_forward(q_BLHD, k_BLHD, v_BLHD, ring: Ring):
     """Return (out [B, L, H, D] in q's dtype, lse [B, H, L] float32/float64)."""
     b, n, h, d = q_BLHD.shape
     acc = accumulator_dtype(q_BLHD.dtype)
-    world, scale = ring.comm.world, ring.spec.softmax_scale
+    steps, scale = ring.steps, ring.spec.softmax_scale
     out_BLHD = torch.zeros(b, n, h, d, dtype=acc, device=q_BLHD.device)
     lse_BHL = torch.full((b, h, n), float("-inf"), dtype=acc, device=q_BLHD.device)
-    kv = _kv_buffer(k_BLHD, v_BLHD, world)
-    spare = torch.empty_like(kv) if world > 1 else None
+    kv = _kv_buffer(k_BLHD, v_BLHD, steps)
+    spare = torch.empty_like(kv) if steps > 1 else None
     written: list[tuple[int, int]] = []  # row spans that hold a partial result already
-    for step in range(world):
-        hop = ring.comm.hop(kv, spare, RingComm.KV_TAG) if step + 1 < world else None
+    for step in range(steps):
+        hop = ring.comm.hop(kv, spare, RingComm.KV_TAG) if step + 1 < steps else None
         for blk in ring.blocks(step):
             rows, cols = slice(blk.q_start, blk.q_stop), slice(blk.k_start, blk.k_stop)
             o, lse = ring.kernel.forward(
-                q_BLHD[:, rows], kv[0][:, cols], kv[1][:, cols], scale, blk.band
+                q_BLHD[:, rows], kv[0][:, cols], kv[1][:, cols], scale, blk.mask
             )
             if any(lo < blk.q_stop and blk.q_start < hi for lo, hi in written):
                 merge_(out_BLHD[:, rows], lse_BHL[:, :, rows], o, lse)
@@ -91,13 +91,13 @@ def ring_backward(dout_BLHD, q_BLHD, k_BLHD, v_BLHD, out_BLHD, lse_BHL, ring: Ri
     Measured per-rank peaks are in benchmarks/RESULTS.md.
     """
     acc = accumulator_dtype(q_BLHD.dtype)
-    world, scale, overlap = ring.comm.world, ring.spec.softmax_scale, ring.backward_overlap
+    steps, scale, overlap = ring.steps, ring.spec.softmax_scale, ring.backward_overlap
     dq_BLHD = torch.zeros(q_BLHD.shape, dtype=acc, device=q_BLHD.device)
-    kv = _kv_buffer(k_BLHD, v_BLHD, world)
-    spare = torch.empty_like(kv) if world > 1 and overlap != "none" else None
+    kv = _kv_buffer(k_BLHD, v_BLHD, steps)
+    spare = torch.empty_like(kv) if steps > 1 and overlap != "none" else None
     grad_hop = None
-    for step in range(world):
-        more = step + 1 < world
+    for step in range(steps):
+        more = step + 1 < steps
         hop = ring.comm.hop(kv, spare, RingComm.KV_TAG) if more and spare is not None else None
         dkv = None  # this step's accumulator, holding the contributions of earlier ranks
         if step == 0:
@@ -109,7 +109,7 @@ def ring_backward(dout_BLHD, q_BLHD, k_BLHD, v_BLHD, out_BLHD, lse_BHL, ring: Ri
             rows, cols = slice(blk.q_start, blk.q_stop), slice(blk.k_start, blk.k_stop)
             dq, dk, dv = ring.kernel.backward(
                 dout_BLHD[:, rows], q_BLHD[:, rows], kv[0][:, cols], kv[1][:, cols],
-                out_BLHD[:, rows], lse_BHL[:, :, rows], scale, blk.band,
+                out_BLHD[:, rows], lse_BHL[:, :, rows], scale, blk.mask,
             )
             dq_BLHD[:, rows] += dq
             pending.append((cols, dk, dv))
@@ -121,8 +121,11 @@ def ring_backward(dout_BLHD, q_BLHD, k_BLHD, v_BLHD, out_BLHD, lse_BHL, ring: Ri
             _add_block_grads(dkv, pending)
         if more and spare is None:  # "none": K/V move now, into a buffer made for them
             kv = ring.comm.hop(kv, torch.empty_like(kv), RingComm.KV_TAG).wait()
-        if world > 1:
-            grad_hop = ring.comm.hop(dkv, torch.empty_like(dkv), RingComm.GRAD_TAG)
+        if steps > 1:
+            # on to the next rank; after the last step, straight home to the K/V's owner
+            # (``step`` ranks back, which is the next rank when the ring makes a full turn)
+            shift = 1 if more else -step
+            grad_hop = ring.comm.hop(dkv, torch.empty_like(dkv), RingComm.GRAD_TAG, shift)
             del dkv  # the hop holds it until its send completes
         if hop is not None:
             kv, spare = hop.wait(), kv
@@ -139,6 +142,6 @@ def _add_block_grads(dkv, pending) -> None:
     pending.clear()
 
 
-def _kv_buffer(k_BLHD, v_BLHD, world):
-    """K and V as one [2, B, L, Hkv, D] message when they travel; as they are when W = 1."""
-    return torch.stack((k_BLHD, v_BLHD)) if world > 1 else (k_BLHD, v_BLHD)
+def _kv_buffer(k_BLHD, v_BLHD, steps):
+    """K and V as one [2, B, L, Hkv, D] message when they travel; as they are otherwise."""
+    return torch.stack((k_BLHD, v_BLHD)) if steps > 1 else (k_BLHD, v_BLHD)

@@ -13,23 +13,24 @@ WORLD = 4
 
 
 class CountingKernel:
-    """The real CPU kernel, counting its calls by block class (full: no band)."""
+    """The real CPU kernel, counting its calls by block class (full: no mask)."""
 
     def __init__(self):
         self.inner = get_kernel("sdpa-cpu", torch.device("cpu"), torch.float32)
         self.name = "counting"
+        self.tile = self.inner.tile
         self.calls = {"fwd-full": 0, "fwd-partial": 0, "bwd-full": 0, "bwd-partial": 0}
 
     def supports(self, device, dtype):
         return self.inner.supports(device, dtype)
 
-    def forward(self, q, k, v, scale, band):
-        self.calls["fwd-full" if band is None else "fwd-partial"] += 1
-        return self.inner.forward(q, k, v, scale, band)
+    def forward(self, q, k, v, scale, mask):
+        self.calls["fwd-full" if mask is None else "fwd-partial"] += 1
+        return self.inner.forward(q, k, v, scale, mask)
 
-    def backward(self, dout, q, k, v, out, lse, scale, band):
-        self.calls["bwd-full" if band is None else "bwd-partial"] += 1
-        return self.inner.backward(dout, q, k, v, out, lse, scale, band)
+    def backward(self, dout, q, k, v, out, lse, scale, mask):
+        self.calls["bwd-full" if mask is None else "bwd-partial"] += 1
+        return self.inner.backward(dout, q, k, v, out, lse, scale, mask)
 
 
 CONFIGS = {  # name: (layout, causal, window)

@@ -56,13 +56,13 @@ def test_banded_blocks_are_tiled(monkeypatch):
     """A general band runs in row tiles whose masks never exceed TILE_ROWS x Sk."""
     monkeypatch.setattr(sdpa_module, "TILE_ROWS", 16)
     seen = []
-    real = sdpa_module._additive_mask
+    real = sdpa_module._additive
 
-    def spy(band, rows, cols, dtype, device):
-        seen.append((len(rows), len(cols)))
-        return real(band, rows, cols, dtype, device)
+    def spy(ok, dtype):
+        seen.append(tuple(ok.shape[-2:]))
+        return real(ok, dtype)
 
-    monkeypatch.setattr(sdpa_module, "_additive_mask", spy)
+    monkeypatch.setattr(sdpa_module, "_additive", spy)
     q, k, v, _ = _inputs(70, 70, 2, 2, 8)
     band = Band(-2, 3)
     out, _ = get_kernel("sdpa-cpu", q.device, q.dtype).forward(q, k, v, 0.5, band)

@@ -69,8 +69,8 @@ def test_plan_covers_exactly_the_visible_pairs(layout, world):
                 for b in plan_step(lay, mask, world, rank, step):
                     assert b.kind is not BlockKind.EMPTY
                     nq, nk = b.q_stop - b.q_start, b.k_stop - b.k_start
-                    ok = (torch.ones(nq, nk, dtype=torch.bool) if b.band is None
-                          else b.band.dense(range(nq), range(nk)))
+                    ok = (torch.ones(nq, nk, dtype=torch.bool) if b.mask is None
+                          else b.mask.dense(range(nq), range(nk)))
                     # every row handed to a kernel sees at least one key
                     assert ok.any(dim=1).all(), (layout, world, seqlen, rank, step, b)
                     covered[b.q_start:b.q_stop, b.k_start:b.k_stop] += ok.int()
@@ -94,7 +94,7 @@ def test_causal_block_counts(world):
         for lay in ("zigzag", "striped", "contiguous"):  # the own step is a single triangle
             (own,) = plan_step(get_layout(lay), mask, world, rank, 0)
             assert (own.q_start, own.q_stop, own.k_start, own.k_stop) == (0, 8, 0, 8)
-            assert own.band is not None and own.band.is_causal
+            assert own.mask is not None and own.mask.is_causal
 
 
 def test_window_block_counts():

@@ -9,7 +9,10 @@ The ring loop needs only this protocol:
   and lse of the rows (not this block's), so per-block gradients add up exactly.
 * ``supports(device, dtype) -> bool`` and a ``name``.
 
-``band`` is None for an unmasked block or a ``masks.Band``.
+``mask`` is None for an unmasked block, a ``masks.Band`` or a ``masks.BlockMask`` (a block
+of a general mask). ``tile`` says how the plan cuts general masks for this kernel: (rows,
+cols) of the tiles it classifies, or None for one block per ring step (kernels that skip
+empty tiles themselves, like flex).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from .flex import FlexKernel
 from .reference import ReferenceKernel
 from .sdpa import SdpaKernel
 
@@ -27,19 +31,23 @@ __all__ = ["Kernel", "available_kernels", "get_kernel"]
 @runtime_checkable
 class Kernel(Protocol):
     name: str
+    tile: tuple[int, int] | None
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool: ...
 
-    def forward(self, q, k, v, scale, band): ...
+    def forward(self, q, k, v, scale, mask): ...
 
-    def backward(self, dout, q, k, v, out, lse, scale, band): ...
+    def backward(self, dout, q, k, v, out, lse, scale, mask): ...
 
 
 _KERNELS: dict[str, Kernel] = {
-    k.name: k for k in (SdpaKernel("cpu"), SdpaKernel("cuda"), ReferenceKernel())
+    k.name: k for k in (SdpaKernel("cpu"), SdpaKernel("cuda"), FlexKernel(), ReferenceKernel())
 }
 # Fused kernels first: the reference kernel is the fallback for what they do not support.
+# Bands (causal, windows) run fastest on the SDPA ops (native causal, few tiles); general
+# masks on CUDA go to flex, whose block mask skips empty tiles inside one call.
 _PREFERENCE = ("sdpa-cpu", "sdpa-cuda", "reference")
+_PREFERENCE_GENERAL = ("sdpa-cpu", "flex", "sdpa-cuda", "reference")
 
 
 def available_kernels() -> list[str]:
@@ -47,19 +55,21 @@ def available_kernels() -> list[str]:
     return ["auto", *_KERNELS]
 
 
-def get_kernel(name: str | Kernel | None, device: torch.device, dtype: torch.dtype) -> Kernel:
+def get_kernel(name: str | Kernel | None, device: torch.device, dtype: torch.dtype,
+               general: bool = False) -> Kernel:
     """Return the kernel to use on ``device`` for ``dtype``.
 
     Arguments:
         name: None or "auto" (the fastest exact kernel that supports the device and dtype),
             a registered name (see ``available_kernels``), or a ``Kernel`` object.
+        general: the mask is not a band (picks flex over the SDPA op on CUDA).
 
     Raises:
         ValueError: unknown name, or a named kernel that does not support device/dtype.
         TypeError: an object that is neither a name nor a ``Kernel``.
     """
     if name is None or name == "auto":
-        for n in _PREFERENCE:
+        for n in _PREFERENCE_GENERAL if general else _PREFERENCE:
             if _KERNELS[n].supports(device, dtype):
                 return _KERNELS[n]
         raise ValueError(f"no kernel supports {dtype} on {device}")

@@ -8,30 +8,36 @@ Legend: B batch, Sq query rows, Sk key rows, H heads, Hkv kv heads, D head dim.
 * CUDA: ``aten._scaled_dot_product_efficient_attention`` (+ ``_backward``): fp32/fp16/bf16,
   additive bias, LSE. K/V heads are expanded for GQA inside the call only.
 
-A block is FULL (no mask), causal (``Band(0, None)``, run with ``is_causal``) or a general
-band. A general band is run in row tiles, each with an additive mask over just the columns
-its rows can see, so the mask is at most ``TILE_ROWS x Sk`` and never grows with the global
-sequence. The ring only hands over rows that see at least one key, which matters: these ops
-report lse = 0 (not -inf) for a row that sees nothing, and crash on empty inputs.
+A block is FULL (no mask), causal (``Band(0, None)``, run with ``is_causal``), a general
+band, or a ``BlockMask`` (a tile of a general mask, with its dense visibility). A general
+band is run in row tiles, each with an additive mask over just the columns its rows can
+see, so the mask is at most ``TILE_ROWS x Sk`` and never grows with the global sequence;
+a BlockMask is already a tile. These ops report lse = 0 (not -inf) for a row that sees
+nothing, so such rows are set to lse = -inf and out = 0 here; they crash on empty inputs,
+which the plan never hands over.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..masks import Band
+from ..masks import Band, BlockMask
 
 TILE_ROWS = 256
 """Rows per kernel call for banded blocks (bounds the additive mask to TILE_ROWS x Sk)."""
 
 _aten = torch.ops.aten
+_BIAS_ALIGN = 16
+"""The CUDA op wants the bias's row stride to be a multiple of 16 bytes (seen on H100:
+"attn_bias is not correctly aligned"); rows are allocated this many elements wide."""
 
 
-def _additive_mask(band: Band, rows: range, cols: range, dtype, device) -> torch.Tensor:
-    ok = band.dense(rows, cols, device=device)
-    return torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(~ok, float("-inf"))
-
-
+def _additive(ok: torch.Tensor, dtype) -> torch.Tensor:
+    """0 where ``ok``, -inf elsewhere, with rows padded in memory to an aligned stride."""
+    n = ok.shape[-1]
+    wide = -(-n // _BIAS_ALIGN) * _BIAS_ALIGN
+    bias = torch.zeros(*ok.shape[:-1], wide, dtype=dtype, device=ok.device)[..., :n]
+    return bias.masked_fill_(~ok, float("-inf"))
 def _cpu_fwd(q, k, v, causal, mask, scale):
     return _aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, causal, attn_mask=mask, scale=scale
@@ -82,6 +88,9 @@ def _cuda_bwd(dout, q, k, v, out, lse, causal, mask, scale):
 class SdpaKernel:
     """One fused-op kernel; ``device_type`` picks torch's CPU or CUDA op."""
 
+    tile = (256, 128)
+    """General masks are classified in tiles of (rows, cols) for this kernel."""
+
     def __init__(self, device_type: str):
         if device_type not in ("cpu", "cuda"):
             raise ValueError(f"SdpaKernel supports 'cpu' and 'cuda', not {device_type!r}")
@@ -96,43 +105,60 @@ class SdpaKernel:
             return dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
         return dtype in (torch.float32, torch.bfloat16, torch.float16)
 
-    def _tiles(self, band: Band, nq: int, nk: int):
-        for a in range(0, nq, TILE_ROWS):
-            b = min(nq, a + TILE_ROWS)
-            c0, c1 = band.cols_for_rows(a, b, nk)
-            yield a, b, c0, c1
+    def _calls(self, mask, nq: int, nk: int, device):
+        """(rows, cols, causal, visibility or None) for each op call a block needs."""
+        if mask is None or (isinstance(mask, Band) and mask.is_causal):
+            yield slice(0, nq), slice(0, nk), mask is not None, None
+        elif isinstance(mask, Band):
+            for a in range(0, nq, TILE_ROWS):
+                b = min(nq, a + TILE_ROWS)
+                c0, c1 = mask.cols_for_rows(a, b, nk)
+                ok = mask.dense(range(a, b), range(c0, c1), device=device)
+                yield slice(a, b), slice(c0, c1), False, ok[None, None]
+        elif isinstance(mask, BlockMask):
+            yield slice(0, nq), slice(0, nk), False, mask.dense().to(device)
+        else:
+            raise TypeError(f"{self.name} cannot apply a mask of type {type(mask).__name__}")
 
-    def forward(self, q, k, v, scale: float, band: Band | None):
+    def forward(self, q, k, v, scale: float, mask):
         q_, k_, v_ = (x.transpose(1, 2) for x in (q, k, v))
-        if band is None or band.is_causal:
-            out, lse = self._fwd(q_, k_, v_, band is not None, None, scale)
+        b, sq, h, _ = q.shape
+        calls = list(self._calls(mask, sq, k.shape[1], q.device))
+        if len(calls) == 1 and calls[0][3] is None:
+            out, lse = self._fwd(q_, k_, v_, calls[0][2], None, scale)
             return out.transpose(1, 2), lse
-        b, sq, h, d = q.shape
         out_BSHD = torch.empty_like(q)
-        lse_BHS = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
-        for a, e, c0, c1 in self._tiles(band, sq, k.shape[1]):
-            mask = _additive_mask(band, range(a, e), range(c0, c1), q.dtype, q.device)
-            o, l = self._fwd(q_[:, :, a:e], k_[:, :, c0:c1], v_[:, :, c0:c1], False, mask, scale)
-            out_BSHD[:, a:e] = o.transpose(1, 2)
-            lse_BHS[:, :, a:e] = l
+        lse_BHS = torch.empty(b, h, sq, dtype=torch.float32 if q.dtype != torch.float64 else q.dtype, device=q.device)
+        for rows, cols, causal, ok in calls:
+            o, l = self._fwd(q_[:, :, rows], k_[:, :, cols], v_[:, :, cols], causal,
+                             _additive(ok, q.dtype), scale)
+            dead = ~ok.any(-1)  # rows that see no key: the ops say lse = 0, out = 0 or NaN
+            if bool(dead.any()):
+                l = l.masked_fill(dead, float("-inf"))
+                o = o.masked_fill(dead[..., None], 0.0)
+            out_BSHD[:, rows] = o.transpose(1, 2)
+            lse_BHS[:, :, rows] = l
         return out_BSHD, lse_BHS
 
-    def backward(self, dout, q, k, v, out, lse, scale: float, band: Band | None):
+    def backward(self, dout, q, k, v, out, lse, scale: float, mask):
         q_, k_, v_, do_, o_ = (x.transpose(1, 2) for x in (q, k, v, dout, out))
         lse = lse.to(torch.float32) if q.dtype != torch.float64 else lse
-        if band is None or band.is_causal:
-            dq, dk, dv = self._bwd(do_, q_, k_, v_, o_, lse, band is not None, None, scale)
+        calls = list(self._calls(mask, q.shape[1], k.shape[1], q.device))
+        if len(calls) == 1 and calls[0][3] is None:
+            dq, dk, dv = self._bwd(do_, q_, k_, v_, o_, lse, calls[0][2], None, scale)
             return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        # rows that see no key anywhere have lse = -inf; any finite value gives them p = 0
+        lse = torch.where(torch.isfinite(lse), lse, 0.0)
         dq_BSHD = torch.empty_like(q)
-        dk_BSHD = torch.zeros(k.shape, dtype=torch.float32 if k.dtype != torch.float64 else k.dtype, device=k.device)
+        acc = torch.float32 if k.dtype != torch.float64 else k.dtype
+        dk_BSHD = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv_BSHD = torch.zeros_like(dk_BSHD)
-        for a, e, c0, c1 in self._tiles(band, q.shape[1], k.shape[1]):
-            mask = _additive_mask(band, range(a, e), range(c0, c1), q.dtype, q.device)
+        for rows, cols, causal, ok in calls:
             dq, dk, dv = self._bwd(
-                do_[:, :, a:e], q_[:, :, a:e], k_[:, :, c0:c1], v_[:, :, c0:c1],
-                o_[:, :, a:e], lse[:, :, a:e], False, mask, scale,
+                do_[:, :, rows], q_[:, :, rows], k_[:, :, cols], v_[:, :, cols],
+                o_[:, :, rows], lse[:, :, rows], causal, _additive(ok, q.dtype), scale,
             )
-            dq_BSHD[:, a:e] = dq.transpose(1, 2)
-            dk_BSHD[:, c0:c1] += dk.transpose(1, 2)
-            dv_BSHD[:, c0:c1] += dv.transpose(1, 2)
+            dq_BSHD[:, rows] = dq.transpose(1, 2)
+            dk_BSHD[:, cols] += dk.transpose(1, 2)
+            dv_BSHD[:, cols] += dv.transpose(1, 2)
         return dq_BSHD, dk_BSHD, dv_BSHD
