@@ -27,7 +27,8 @@ def visible(seqlen: int, causal: bool, window: tuple[int, int]) -> torch.Tensor:
 
 
 def attention(q, k, v, ok, scale=None):
-    """Dense attention: q [B,S,H,D], k/v [B,S,Hkv,D], ok [S,S] -> out [B,S,H,D], lse [B,H,S]."""
+    """Dense attention: q [B,S,H,D], k/v [B,S,Hkv,D], ok [S,S] or [B|1,H|1,S,S] ->
+    out [B,S,H,D], lse [B,H,S]. A row that sees no key gives out = 0 and lse = -inf."""
     h, hkv = q.shape[2], k.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     qh = q.transpose(1, 2)
@@ -36,7 +37,8 @@ def attention(q, k, v, ok, scale=None):
     s = (qh @ kh.transpose(-1, -2)) * scale
     s = s.masked_fill(~ok, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    p = torch.softmax(s, dim=-1)
+    dead = ~ok.any(-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
     return (p @ vh).transpose(1, 2), lse
 
 
@@ -50,8 +52,14 @@ def reference(q, k, v, dout, ok, scale=None):
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """||x - ref|| / ||ref|| in float64; ||x|| when ref is exactly zero (e.g. the gradient of
-    a query that sees a single key), where a relative error is undefined."""
+    a query that sees a single key), where a relative error is undefined. Infinite entries
+    of ref (lse = -inf of rows that see no key) must be matched exactly by x, else inf."""
     x, ref = x.detach().double(), ref.detach().double()
+    inf = torch.isinf(ref)
+    if bool(inf.any()):
+        if not torch.equal(x[inf], ref[inf]):
+            return float("inf")
+        x, ref = x[~inf], ref[~inf]
     norm = ref.norm()
     if norm == 0:
         return float(x.norm())

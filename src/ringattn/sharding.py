@@ -12,11 +12,14 @@ holds the same value, and a loss computed from it counts once):
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 import torch.distributed as dist
 
 from .comm import agree, resolve_group
 from .layouts import LAYOUTS, get_layout, local_positions, restore_index
+from .masks import check_cu_seqlens
 
 __all__ = ["shard", "unshard", "positions"]
 
@@ -79,14 +82,23 @@ def _normalize_dim(x, dim, what):
     return dim % x.dim()
 
 
-def _check(x, dim, layout, seqlen, group, what, local):
+def _layout(layout, seqlen, cu_seqlens):
+    """(layout object, seqlen, digest of cu_seqlens or -2) for these arguments."""
+    if cu_seqlens is None:
+        return get_layout(layout), seqlen, -2
+    cu = check_cu_seqlens(cu_seqlens, seqlen)
+    return get_layout(layout, cu), cu[-1], zlib.crc32(repr(cu).encode()) & 0x7FFFFFFF
+
+
+def _check(x, dim, layout, seqlen, group, what, local, cu_seqlens):
     """Shared checks of shard/unshard, agreed on by all ranks before any gather."""
     pg = resolve_group(group)
     world = dist.get_world_size(pg)
-    error, fields = None, {"dim": -1, "ndim": -1, "layout": -1, "seqlen": -1}
+    error = None
+    fields = {"dim": -1, "ndim": -1, "layout": -1, "seqlen": -1, "cu_seqlens": -1}
     try:
         dim = _normalize_dim(x, dim, what)
-        lay = get_layout(layout)
+        lay, seqlen, cu_digest = _layout(layout, seqlen, cu_seqlens)
         if seqlen is None:
             seqlen = x.shape[dim] * world if local else x.shape[dim]
         if not isinstance(seqlen, int) or isinstance(seqlen, bool) or seqlen < 1:
@@ -99,7 +111,8 @@ def _check(x, dim, layout, seqlen, group, what, local):
             )
         if not local and n != seqlen:
             raise ValueError(f"tensor has {n} entries along dim {dim}, but seqlen={seqlen}")
-        fields = {"dim": dim, "ndim": x.dim(), "layout": _LAYOUT_NAMES.index(lay.name), "seqlen": seqlen}
+        fields = {"dim": dim, "ndim": x.dim(), "layout": _LAYOUT_NAMES.index(lay.name),
+                  "seqlen": seqlen, "cu_seqlens": cu_digest}
     except (TypeError, ValueError) as exc:  # reported on every rank by agree()
         error = exc
     agree(pg, fields, error)
@@ -107,7 +120,7 @@ def _check(x, dim, layout, seqlen, group, what, local):
 
 
 def shard(x: torch.Tensor, *, group=None, layout: str = "contiguous", dim: int = 1,
-          seqlen: int | None = None) -> torch.Tensor:
+          seqlen: int | None = None, cu_seqlens=None) -> torch.Tensor:
     """This rank's shard of a global tensor, padded when S does not divide the layout.
 
     Arguments:
@@ -116,6 +129,9 @@ def shard(x: torch.Tensor, *, group=None, layout: str = "contiguous", dim: int =
         layout: "contiguous", "zigzag" or "striped".
         dim: the sequence dimension (1 for [B, S, H, D]; 2 for an lse [B, H, S]).
         seqlen: the global S; defaults to ``x.shape[dim]`` (which must equal it).
+        cu_seqlens: packed documents (flash-attn's [0, ..., S]); with ``layout="zigzag"``
+            every document is zigzagged over the ranks (``layouts.DocumentZigzag``). Pass
+            the same value to ``ring_attention``.
 
     Returns:
         The local shard, ``layout.local_len(S, W)`` long on ``dim``; padding slots are zero.
@@ -123,18 +139,19 @@ def shard(x: torch.Tensor, *, group=None, layout: str = "contiguous", dim: int =
     Raises:
         TypeError, ValueError: bad input or ranks that disagree, on every rank.
     """
-    pg, lay, seqlen, dim = _check(x, dim, layout, seqlen, group, "shard", local=False)
+    pg, lay, seqlen, dim = _check(x, dim, layout, seqlen, group, "shard", False, cu_seqlens)
     return _Shard.apply(x, lay, pg, seqlen, dim)
 
 
 def unshard(x: torch.Tensor, *, group=None, layout: str = "contiguous", dim: int = 1,
-            seqlen: int | None = None) -> torch.Tensor:
+            seqlen: int | None = None, cu_seqlens=None) -> torch.Tensor:
     """Gather all ranks' shards into the global tensor, in global order, padding dropped.
 
     Arguments:
         x: this rank's shard, ``layout.local_len(S, W)`` long on ``dim``.
-        group, layout, dim: as for ``shard``.
-        seqlen: the global S; defaults to W * x.shape[dim] (only right when S was not padded).
+        group, layout, dim, cu_seqlens: as for ``shard``.
+        seqlen: the global S; defaults to cu_seqlens[-1], else W * x.shape[dim] (only
+            right when S was not padded).
 
     Returns:
         The global tensor, ``seqlen`` long on ``dim``, on every rank.
@@ -142,19 +159,36 @@ def unshard(x: torch.Tensor, *, group=None, layout: str = "contiguous", dim: int
     Raises:
         TypeError, ValueError: bad input or ranks that disagree, on every rank.
     """
-    pg, lay, seqlen, dim = _check(x, dim, layout, seqlen, group, "unshard", local=True)
+    pg, lay, seqlen, dim = _check(x, dim, layout, seqlen, group, "unshard", True, cu_seqlens)
     return _Unshard.apply(x, lay, pg, seqlen, dim)
 
 
-def positions(seqlen: int, *, group=None, layout: str = "contiguous", device=None) -> torch.Tensor:
+def positions(seqlen: int, *, group=None, layout: str = "contiguous", cu_seqlens=None,
+              device=None):
     """Global position of each of this rank's local slots (for RoPE and position embeddings).
 
+    Arguments:
+        seqlen: the global S.
+        group, layout, cu_seqlens: as for ``shard``.
+        device: where to put the result.
+
     Returns:
-        [L] int64; entries >= seqlen are padding slots.
+        [L] int64 global positions (entries >= seqlen are padding slots). With
+        ``cu_seqlens``, a pair (global positions, positions inside each token's document),
+        the second being what RoPE wants for packed documents (0 on padding slots).
+
+    Raises:
+        TypeError, ValueError: bad seqlen, layout or cu_seqlens.
     """
     pg = resolve_group(group)
-    lay = get_layout(layout)
     if not isinstance(seqlen, int) or isinstance(seqlen, bool) or seqlen < 1:
         raise ValueError(f"seqlen must be an int >= 1, got {seqlen!r}")
+    lay, seqlen, _ = _layout(layout, seqlen, cu_seqlens)
     pos = local_positions(lay, dist.get_rank(pg), dist.get_world_size(pg), seqlen)
-    return pos.to(device) if device is not None else pos
+    if cu_seqlens is None:
+        return pos.to(device) if device is not None else pos
+    starts = torch.tensor(check_cu_seqlens(cu_seqlens, seqlen)[:-1])
+    real = pos < seqlen
+    doc = torch.searchsorted(starts, pos.clamp(max=seqlen - 1), right=True) - 1
+    in_doc = torch.where(real, pos - starts[doc], torch.zeros_like(pos))
+    return (pos, in_doc) if device is None else (pos.to(device), in_doc.to(device))

@@ -30,6 +30,8 @@ class Case:
     head_dim: int = 16
     batch: int = 1
     seed: int = 0
+    mask: str = ""
+    """Name of a general mask built by ``_setup`` ("" for causal/window only)."""
 
 
 def cases(world):
@@ -48,6 +50,74 @@ def cases(world):
     ]
 
 
+def mask_cases(world):
+    """General masks (built-ins, compositions, custom functions, packed documents); S does
+    not divide W, documents are short (1 token, fewer than W) and long, rows that see no key
+    occur (dilated, head-shift)."""
+    s = 7 * world + 3
+    return [
+        Case("docs-causal", s, mask="docs", heads=4, kv_heads=2, seed=11),
+        Case("docs-full", s, causal=False, mask="docs", seed=12),
+        Case("docs&window", s, causal=False, mask="docs&window", kv_heads=1, seed=13),
+        Case("prefix-lm-per-row", s, causal=False, mask="prefix_lm", batch=2, seed=14),
+        Case("dilated-head-offsets", s, causal=False, mask="dilated", kv_heads=2, seed=15),
+        Case("dilated-causal", s, mask="dilated-plain", seed=16),
+        Case("custom-stride", s, mask="stride", seed=17),
+        Case("window|sink", s, causal=False, mask="sink", kv_heads=2, seed=18),
+        Case("head-shift-gqa", s, causal=False, mask="head-shift", kv_heads=2, seed=19),
+    ]
+
+
+def random_docs(seqlen, seed, world):
+    """cu_seqlens of random document lengths, always including a 1-token document."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1]
+    while sum(lengths) < seqlen:
+        lengths.append(int(torch.randint(1, 2 * world + 4, (1,), generator=g)))
+    lengths[-1] -= sum(lengths) - seqlen
+    lengths = [n for n in lengths if n > 0]
+    return [0] + torch.tensor(lengths).cumsum(0).tolist()
+
+
+def _setup(case, world):
+    """(ring_attention/shard keyword arguments, the dense [.., S, S] visibility written
+    from the definitions), for one case."""
+    s = case.seqlen
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    causal = j <= i if case.causal else torch.ones(s, s, dtype=torch.bool)
+    kw = dict(causal=case.causal)
+    name, M = case.mask, ra.masks
+    if name == "":
+        return dict(kw, window_size=case.window), visible(s, case.causal, case.window)
+    if name.startswith("docs"):
+        cu = random_docs(s, case.seed, world)
+        doc = torch.tensor([d for d in range(len(cu) - 1) for _ in range(cu[d], cu[d + 1])])
+        same = doc[:, None] == doc[None, :]
+        if name == "docs":
+            return dict(kw, cu_seqlens=torch.tensor(cu, dtype=torch.int32)), same & causal
+        band = (j >= i - 3) & (j <= i + 1)  # docs&window: sliding_window(3, 1)
+        return dict(kw, cu_seqlens=cu, mask=M.sliding_window(3, 1)), same & band
+    if name == "prefix_lm":
+        n = torch.tensor([3, s // 2]).view(2, 1, 1, 1)
+        return dict(kw, mask=M.prefix_lm([3, s // 2])), (j < n) | (j <= i)
+    if name.startswith("dilated"):
+        seg, dil, offsets = (7, 3, True) if name == "dilated" else (5, 2, False)
+        h = torch.arange(case.heads).view(case.heads, 1, 1)
+        off = h % dil if offsets else torch.zeros_like(h)
+        ok = (i // seg == j // seg) & (i % dil == off) & (j % dil == off)
+        return dict(kw, mask=M.dilated(seg, dil, head_offsets=offsets)), ok & causal
+    if name == "stride":
+        fn = M.from_function(lambda b, h, q, kv: (q - kv) % 3 == 0)
+        return dict(kw, mask=fn), ((i - j) % 3 == 0) & causal
+    if name == "sink":
+        sink = M.from_function(lambda b, h, q, kv: kv == 0)
+        return dict(kw, mask=M.sliding_window(2) | sink), ((j >= i - 2) & (j <= i)) | (j == 0)
+    if name == "head-shift":
+        h = torch.arange(case.heads).view(case.heads, 1, 1)
+        return dict(kw, mask=M.from_function(lambda b, hh, q, kv: kv <= q - hh)), j <= i - h
+    raise ValueError(name)
+
+
 def _data(case, dtype):
     g = torch.Generator().manual_seed(case.seed)
     b, s, d = case.batch, case.seqlen, case.head_dim
@@ -60,14 +130,14 @@ def _data(case, dtype):
 
 def _plain_fused(q, k, v, do, ok):
     """torch's fused CPU attention op on the whole sequence: the bf16 baseline."""
-    g = q.shape[2] // k.shape[2]
     qh, kh, vh, doh = (t.transpose(1, 2) for t in (q, k, v, do))
+    ok = ok.reshape((1,) * (4 - ok.dim()) + tuple(ok.shape))  # the op takes 2-D or 4-D masks
     mask = torch.zeros(ok.shape, dtype=q.dtype).masked_fill(~ok, float("-inf"))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         qh, kh, vh, 0.0, False, attn_mask=mask)
+    lse = lse.masked_fill(~ok.any(-1), float("-inf"))  # the op says 0 for rows seeing nothing
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        doh, qh, kh, vh, out, lse, 0.0, False, attn_mask=mask)
-    del g
+        doh, qh, kh, vh, out, lse.masked_fill(~ok.any(-1), 0.0), 0.0, False, attn_mask=mask)
     return [t.transpose(1, 2) if t.dim() == 4 else t for t in (out, lse, dq, dk, dv)]
 
 
@@ -78,7 +148,7 @@ def run_cases(layout, world_cases, dtype_name):
     results = {}
     for case in world_cases:
         q, k, v, do = _data(case, dtype)
-        ok = visible(case.seqlen, case.causal, case.window)
+        attn_kw, ok = _setup(case, dist.get_world_size())
         refs = reference(q, k, v, do, ok)  # float64 on the (rounded) inputs
         if dtype == torch.float32:
             tols = [FP32_TOL] * 5
@@ -86,17 +156,19 @@ def run_cases(layout, world_cases, dtype_name):
             base = [rel_err(x, r) for x, r in zip(_plain_fused(q, k, v, do, ok), refs)]
             tols = [2 * e + (1e-6 if i == 1 else 0.0) for i, e in enumerate(base)]
         qx, kx, vx = (t.clone().requires_grad_() for t in (q, k, v))
-        kw = dict(layout=layout, seqlen=case.seqlen)
+        kw = dict(layout=layout, seqlen=case.seqlen, cu_seqlens=attn_kw.pop("cu_seqlens", None))
         ql, kl, vl = (ra.shard(t, **kw) for t in (qx, kx, vx))
         # rotate the backward's three communication schedules over the cases
         out_l, lse_l = ra.ring_attention(
-            ql, kl, vl, causal=case.causal, window_size=case.window, return_lse=True,
-            backward_overlap=("all", "kv", "none")[case.seed % 3], **kw)
+            ql, kl, vl, return_lse=True, backward_overlap=("all", "kv", "none")[case.seed % 3],
+            **attn_kw, **kw)
         assert out_l.dtype == dtype and lse_l.dtype == torch.float32
         assert lse_l.shape == (case.batch, case.heads, ql.shape[1])
         ra.unshard(out_l, **kw).backward(do)
         # this rank's own rows of out and lse; padding rows must be exactly 0 / -inf
         pos = ra.positions(case.seqlen, layout=layout)
+        if kw["cu_seqlens"] is not None:
+            pos = ra.positions(case.seqlen, layout=layout, cu_seqlens=kw["cu_seqlens"])[0]
         real = pos < case.seqlen
         assert torch.all(out_l[:, ~real] == 0) and torch.all(torch.isneginf(lse_l[:, :, ~real]))
         idx = pos[real]
@@ -133,8 +205,18 @@ def test_fp32_exact(clusters, worst_errors, world, layout):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 6])
+def test_masks_fp32_exact(clusters, worst_errors, world, layout):
+    per_rank = clusters(world).run(run_cases, layout, mask_cases(world), "float32", timeout=200)
+    check(per_rank, "float32", worst_errors)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("world", [2, 3])
 def test_bf16_within_twice_plain_sdpa(clusters, worst_errors, world, layout):
-    picked = [c for c in cases(world) if c.name in ("causal-gqa-odd-S-B2", "window-two-sided", "full-mqa-odd-S")]
+    wanted = ("causal-gqa-odd-S-B2", "window-two-sided", "full-mqa-odd-S", "docs-causal",
+              "dilated-head-offsets", "window|sink")
+    picked = [c for c in cases(world) + mask_cases(world) if c.name in wanted]
     per_rank = clusters(world).run(run_cases, layout, picked, "bfloat16", timeout=200)
     check(per_rank, "bfloat16", worst_errors)
