@@ -128,3 +128,164 @@ def test_plan_is_cached_and_pure():
     a = plan_step(get_layout("zigzag"), mask, 5, 2, 3)
     b = plan_step(get_layout("zigzag"), window_mask(40, True, (-1, -1)), 5, 2, 3)
     assert a is b
+
+
+# ------------------------------------------------------------------ general masks, varlen
+
+from ringattn import masks as M  # noqa: E402
+from ringattn.layouts import DocumentZigzag  # noqa: E402
+from ringattn.plan import make_plan  # noqa: E402
+
+
+def _docs(seqlen, seed):
+    g = torch.Generator().manual_seed(seed)
+    cu = [0]
+    while cu[-1] < seqlen:
+        cu.append(min(seqlen, cu[-1] + int(torch.randint(1, 12, (1,), generator=g))))
+    return cu
+
+
+def _dense_doc_causal(cu, seqlen):
+    doc = torch.tensor([d for d in range(len(cu) - 1) for _ in range(cu[d], cu[d + 1])])
+    i, j = torch.arange(seqlen)[:, None], torch.arange(seqlen)[None, :]
+    return (doc[:, None] == doc[None, :]) & (j <= i)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_document_zigzag_layout(world):
+    """A permutation with ranks holding ceil(S/W) slots, S/W +- 1 real tokens, every document
+    cut into 2W chunks differing by at most one token, rank r holding chunks r and 2W-1-r."""
+    for seed, seqlen in ((0, 61), (1, 7 * world + 3), (2, 1)):
+        cu = _docs(seqlen, seed)
+        lay = get_layout("zigzag", tuple(cu))
+        assert isinstance(lay, DocumentZigzag)
+        shards = [local_positions(lay, r, world, seqlen) for r in range(world)]
+        assert all(s.numel() == -(-seqlen // world) for s in shards)
+        assert all(bool((s[1:] > s[:-1]).all()) for s in shards)
+        real = [int((s < seqlen).sum()) for s in shards]
+        assert max(real) - min(real) <= 1 and sum(real) == seqlen
+        perm = torch.cat(shards)
+        assert torch.equal(perm[restore_index(lay, world, seqlen)], torch.arange(perm.numel()))
+        owner = torch.empty(perm.numel(), dtype=torch.long)
+        for r, s in enumerate(shards):
+            owner[s] = r
+        for a, b in zip(cu[:-1], cu[1:]):
+            ranks = torch.unique_consecutive(owner[a:b]).tolist()
+            # chunks in document order belong to ranks 0..W-1, W-1..0 (empty chunks skipped)
+            it = iter(list(range(world)) + list(reversed(range(world))))
+            assert all(any(r == x for x in it) for r in ranks), (cu, a, b, ranks)
+            base = (b - a) // (2 * world)  # each rank: two chunks of base or base + 1
+            held = torch.bincount(owner[a:b], minlength=world)
+            assert bool(((held >= 2 * base) & (held <= 2 * base + 2)).all()), (a, b, held)
+
+
+def _covered(plan_blocks, nq, nk):
+    covered = torch.zeros(nq, nk, dtype=torch.int32)
+    for b in plan_blocks:
+        n, m = b.q_stop - b.q_start, b.k_stop - b.k_start
+        if b.mask is None:
+            ok = torch.ones(n, m, dtype=torch.bool)
+        else:
+            ok = b.mask.dense()
+            assert ok.shape[-2:] == (n, m)
+            ok = ok.any(0).any(0)  # masks here do not depend on batch or head
+        covered[b.q_start:b.q_stop, b.k_start:b.k_stop] += ok.int()
+    return covered
+
+
+@pytest.mark.parametrize("tile", [(4, 4), (8, 3), (256, 128), None])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_general_plan_covers_exactly_the_visible_pairs(world, tile):
+    """Documents & causal on every layout (per-document zigzag included): the blocks of every
+    rank and step, put back in global positions, equal the dense mask written from the
+    definition, each visible pair once; FULL blocks contain no invisible pair."""
+    for seed, seqlen in ((0, 6 * world + 5), (3, 40)):
+        cu = _docs(seqlen, seed)
+        dense = _dense_doc_causal(cu, seqlen)
+        mask = M.document(cu) & M.causal()
+        for lay in (get_layout("contiguous"), get_layout("striped"), get_layout("zigzag"),
+                    get_layout("zigzag", tuple(cu))):
+            for rank in range(world):
+                plan = make_plan(lay, mask, world, rank, seqlen, tile=tile)
+                qpos = local_positions(lay, rank, world, seqlen)
+                assert plan.last_step == max(
+                    (t for t, bl in enumerate(plan.steps) if bl), default=0)
+                for step in range(world):
+                    kpos = local_positions(lay, kv_source(rank, step, world), world, seqlen)
+                    want = torch.zeros(qpos.numel(), kpos.numel(), dtype=torch.int32)
+                    rq, rk = qpos < seqlen, kpos < seqlen
+                    want[rq.nonzero()[:, 0][:, None], rk.nonzero()[:, 0][None, :]] = \
+                        dense[qpos[rq]][:, kpos[rk]].int()
+                    got = _covered(plan.steps[step], qpos.numel(), kpos.numel())
+                    assert torch.equal(got, want), (lay, world, rank, step, tile)
+
+
+def test_general_plan_block_classes():
+    """Hand-derived: contiguous, W=4, S=64 (shards of 16), documents [8,24) and [24,40),
+    tiles of 4x4. Rank 1 holds 16..31. Own step: each document's diagonal gives partial
+    tiles on the diagonal and one full tile below it (rows 4-7 x cols 0-3, rows 12-15 x
+    cols 8-11). Step 1 (keys 0..15): rows of document [8,24) see keys 8..15, all earlier:
+    one coalesced full block rows 0-7 x cols 8-15. Steps 2 and 3 are empty."""
+    cu = [0, 8, 24, 40, 56, 64]
+    plan = make_plan(get_layout("contiguous"), M.document(cu) & M.causal(), 4, 1, 64,
+                     tile=(4, 4))
+    step0 = [(b.kind, b.q_start, b.q_stop, b.k_start, b.k_stop) for b in plan.steps[0]]
+    F, P = BlockKind.FULL, BlockKind.PARTIAL
+    assert sorted(step0, key=str) == sorted([
+        (P, 0, 4, 0, 4), (F, 4, 8, 0, 4), (P, 4, 8, 4, 8),
+        (P, 8, 12, 8, 12), (F, 12, 16, 8, 12), (P, 12, 16, 12, 16)], key=str)
+    assert [(b.kind, b.q_start, b.q_stop, b.k_start, b.k_stop) for b in plan.steps[1]] == [
+        (F, 0, 8, 8, 16)]
+    assert plan.steps[2] == () and plan.steps[3] == () and plan.last_step == 1
+    assert plan.counts() == {F: 3, P: 4}
+    # partial blocks keep their dense mask with the plan; the plan is cached
+    assert all(b.mask.stored is not None for b in plan.steps[0] if b.kind is P)
+    again = make_plan(get_layout("contiguous"), M.document(cu) & M.causal(), 4, 1, 64,
+                      tile=(4, 4))
+    assert again is plan
+    # documents that never cross a shard: nothing but the own step, on every rank
+    for rank in range(4):
+        p = make_plan(get_layout("contiguous"), M.document([0, 16, 32, 48, 64]) & M.causal(),
+                      4, rank, 64)
+        assert p.last_step == 0
+
+
+def test_band_masks_take_the_analytic_path():
+    """causal() & sliding_window(...) is a band: same blocks as the window shorthand."""
+    lay = get_layout("zigzag")
+    for world, rank in ((3, 1), (4, 3)):
+        plan = make_plan(lay, M.causal() & M.sliding_window(5, 2), world, rank, 50)
+        for step in range(world):
+            assert plan.steps[step] == plan_step(lay, WindowMask(50, 5, 0), world, rank, step)
+
+
+def test_mask_algebra_and_evaluation():
+    q = torch.arange(10)
+    ok = M.evaluate(M.prefix_lm(4), 10, q, q, 1, 1)[0, 0]
+    i, j = q[:, None], q[None, :]
+    assert torch.equal(ok, (j < 4) | (j <= i))
+    both = M.causal() & M.sliding_window(2, 0)
+    assert both.band == (2, 0) and (M.causal() | M.sliding_window(2, 0)).band is None
+    assert hash(M.document([0, 3, 10])) == hash(M.document(torch.tensor([0, 3, 10])))
+    pad = M.evaluate(M.full(), 8, torch.arange(10), torch.arange(10), 1, 1)[0, 0]
+    assert not pad[8:].any() and not pad[:, 8:].any() and pad[:8, :8].all()  # padding >= S
+    dil = M.evaluate(M.dilated(4, 2), 8, torch.arange(8), torch.arange(8), 1, 2)
+    assert dil.shape == (1, 2, 8, 8) and dil[0, 1, 1, 3] and not dil[0, 0, 1, 3]
+    with pytest.raises(ValueError, match="must return a bool tensor, got torch.int64"):
+        M.evaluate(M.from_function(lambda b, h, q, kv: q - kv), 8, q, q, 1, 1)
+    with pytest.raises(ValueError, match="failed on global position tensors: ZeroDivision"):
+        M.evaluate(M.from_function(lambda b, h, q, kv: 1 / 0), 8, q, q, 1, 1)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ([1, 5, 10], "must start at 0"),
+    ([0, 5, 5, 10], "strictly increasing"),
+    ([0, 7, 3, 10], "strictly increasing"),
+    ([0, 5, 9], "must end at S=10"),
+    ([0.0, 10.0], "integer"),
+    ([10], "at least 2 entries"),
+])
+def test_cu_seqlens_are_validated(bad, match):
+    err = TypeError if isinstance(bad[0], float) else ValueError
+    with pytest.raises(err, match=match):
+        M.check_cu_seqlens(torch.tensor(bad) if isinstance(bad[0], float) else bad, 10)
