@@ -59,6 +59,25 @@ ROWS = [  # (id, edit(args, rank), exception, words)
     ("causal-differs", _on_rank(1, _set(causal=False)), ValueError, "ranks disagree on causal"),
     ("layout-differs", _on_rank(0, _set(layout="striped")), ValueError, "ranks disagree on layout"),
     ("grad-on-one-rank", _on_rank(2, lambda a: a["q"].requires_grad_()), ValueError, "ranks disagree on needs_grad"),
+    # masks and packed documents
+    ("mask-raises", _everywhere(_set(mask=ra.masks.from_function(lambda b, h, q, kv: 1 / 0))),
+     ValueError, "failed on global position tensors: ZeroDivisionError"),
+    ("mask-raises-rank1-only", _on_rank(1, _set(mask=ra.masks.from_function(lambda b, h, q, kv: q.foo))),
+     ValueError, "rank 1: mask (from_function"),
+    ("mask-not-bool", _everywhere(_set(mask=ra.masks.from_function(lambda b, h, q, kv: q - kv))),
+     ValueError, "must return a bool tensor, got torch.int64"),
+    ("mask-wrong-shape", _everywhere(_set(causal=False, mask=ra.masks.from_function(lambda b, h, q, kv: torch.ones(3, 3, dtype=torch.bool)))),
+     ValueError, "does not broadcast to [B, H, Sq, Sk]"),
+    ("mask-not-a-mask", _everywhere(_set(mask=lambda b, h, q, kv: q >= kv)), TypeError,
+     "mask must be a ringattn.masks.Mask"),
+    ("mask-reads-rank-local-data", lambda a, rank: a.update(causal=False, mask=ra.masks.from_function(lambda b, h, q, kv: kv <= q + 3 * rank)),
+     ValueError, "ranks disagree on mask"),
+    ("cu-not-increasing", _everywhere(_set(cu_seqlens=[0, 6, 4, 12])), ValueError, "strictly increasing"),
+    ("cu-repeated-entry", _everywhere(_set(cu_seqlens=[0, 6, 6, 12])), ValueError, "strictly increasing"),
+    ("cu-not-from-0", _everywhere(_set(cu_seqlens=[2, 12])), ValueError, "must start at 0"),
+    ("cu-not-ending-at-S", _everywhere(_set(cu_seqlens=[0, 5, 10])), ValueError, "must end at S=12"),
+    ("cu-float", _everywhere(_set(cu_seqlens=torch.tensor([0.0, 12.0]))), TypeError, "integer tensor"),
+    ("cu-differs-on-rank2", _on_rank(2, _set(cu_seqlens=[0, 6, 12])), ValueError, "ranks disagree on"),
 ]
 
 

@@ -8,6 +8,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ringattn as ra
 from ringattn.kernels import get_kernel
+from ringattn.layouts import get_layout
+from ringattn.plan import make_plan
 
 WORLD = 4
 
@@ -169,3 +171,44 @@ def test_next_hop_is_posted_before_compute(clusters):
             assert fwd == "SRK" * (WORLD - 1) + "K", (rank, overlap, fwd)
             step = "KSRSR" if overlap == "none" else "SRKSR"
             assert bwd == step * (WORLD - 1) + "KSR", (rank, overlap, bwd)
+
+
+def general_mask_traffic(cu):
+    """Counted kernel calls and the op order of one fwd+bwd under documents & causal."""
+    w, rank = dist.get_world_size(), dist.get_rank()
+    kern = CountingKernel()
+    kern.tile = (4, 4)  # small tiles, so shards of 16 have full and partial tiles
+    q = torch.randn(1, 64 // w, 2, 8, requires_grad=True)
+    k = torch.randn(1, 64 // w, 2, 8, requires_grad=True)
+    with OpOrder() as fwd:
+        out = ra.ring_attention(q, k, k, causal=True, layout="contiguous", seqlen=64,
+                                cu_seqlens=cu, kernel=kern)
+    with OpOrder() as bwd:
+        out.sum().backward()
+    plan = make_plan(get_layout("contiguous"), ra.masks.document(cu) & ra.masks.causal(), w,
+                     rank, 64, tile=(4, 4))
+    counts = {k.value: n for k, n in plan.counts().items()}
+    return kern.calls, counts, "".join(fwd.events), "".join(bwd.events)
+
+
+@pytest.mark.timeout(60)
+def test_general_mask_kernel_calls_and_truncated_ring(clusters):
+    """Each FULL block is one unmasked kernel call and each PARTIAL block one masked call,
+    forward and backward. Documents that reach one shard back need one K/V hop, no more;
+    the dK/dV accumulator then goes straight home. Documents inside shards: no traffic."""
+    one_back = [0, 8, 24, 40, 56, 64]
+    for rank, (calls, counts, fwd, bwd) in enumerate(
+            clusters(WORLD).run(general_mask_traffic, one_back, timeout=45)):
+        want = {"fwd-full": counts["full"], "fwd-partial": counts["partial"],
+                "bwd-full": counts["full"], "bwd-partial": counts["partial"]}
+        assert calls == want, (rank, calls, want)
+        assert counts["full"] > 0 and counts["partial"] > 0
+        n = counts["full"] + counts["partial"]
+        assert fwd.count("S") == 1 and fwd.startswith("SR") and fwd.count("K") == n, (rank, fwd)
+        # one K/V hop; dK/dV: on to the next rank, then straight home (3 sends, not 2W-1 = 7)
+        assert bwd.count("S") == 3 and bwd.count("K") == n, (rank, bwd)
+    inside = [0, 5, 16, 20, 32, 48, 60, 64]
+    for rank, (calls, counts, fwd, bwd) in enumerate(
+            clusters(WORLD).run(general_mask_traffic, inside, timeout=45)):
+        assert "S" not in fwd + bwd and "R" not in fwd + bwd, (rank, fwd, bwd)
+        assert calls["fwd-full"] + calls["fwd-partial"] == counts["full"] + counts["partial"]
