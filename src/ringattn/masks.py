@@ -502,6 +502,11 @@ class BlockMask:
     batch: int
     heads: int
     stored: torch.Tensor | None = None
+    tile_kinds: torch.Tensor | None = None
+    """For one-block-per-step plans: uint8 [row tiles, col tiles], 0 empty, 1 full, 2 partial."""
+    tile_masks: torch.Tensor | None = None
+    """With ``tile_kinds``: bool [partial tiles, Bm, Hm, t, t], the partial tiles in row-major
+    order (None if none, or too large to keep: then the mask is evaluated again)."""
     cache: dict = field(default_factory=dict)
 
     def dense(self) -> torch.Tensor:

@@ -143,28 +143,36 @@ def _tile_runs(kinds: list[BlockKind]):
     return runs
 
 
+FLEX_TILE = 128
+"""Tile edge of the one-block-per-step plans (``tile=None``): flex_attention's block size."""
+
+
+def _tile_kinds(vis, rows: int, cols_per: int, ncols: int):
+    """EMPTY/FULL/PARTIAL of each column tile of one row tile's visibility [Bm,Hm,rows,ncols]
+    (over every batch row and head); columns past ``ncols`` count as invisible padding for
+    EMPTY and as visible for FULL (they are cut off, not computed)."""
+    ntc = -(-ncols // cols_per)
+    pad = ntc * cols_per - ncols
+    seen, every = vis.any(1).any(0), vis.all(1).all(0)  # [rows, ncols]
+    t_any = torch.nn.functional.pad(seen, (0, pad)).view(rows, ntc, cols_per).any(2).any(0)
+    t_all = torch.nn.functional.pad(every, (0, pad), value=True).view(rows, ntc, cols_per).all(2).all(0)
+    return [BlockKind.EMPTY if not x else BlockKind.FULL if y else BlockKind.PARTIAL
+            for x, y in zip(t_any.tolist(), t_all.tolist())]
+
+
 def _classify_step(mask, seqlen, q_pos, kv_pos, batch, heads, tile, budget):
     """Blocks of one (local queries, visiting keys) pair under a general mask."""
+    if tile is None:
+        return _classify_step_whole(mask, seqlen, q_pos, kv_pos, batch, heads, budget)
     nq, nk = _valid_prefix(q_pos, seqlen), _valid_prefix(kv_pos, seqlen)
     if nq == 0 or nk == 0:
         return []
-    rows_per, cols_per = tile if tile is not None else (256, nk)
-    ntc = -(-nk // cols_per)
-    blocks, any_visible, all_full = [], False, True
+    rows_per, cols_per = tile
+    blocks = []
     for a in range(0, nq, rows_per):
         e = min(nq, a + rows_per)
         vis = evaluate(mask, seqlen, q_pos[a:e], kv_pos[:nk], batch, heads)
-        seen, every = vis.any(1).any(0), vis.all(1).all(0)  # [rows, nk] over batch/heads
-        pad = ntc * cols_per - nk
-        t_any = torch.nn.functional.pad(seen, (0, pad)).view(e - a, ntc, cols_per).any(2).any(0)
-        t_all = torch.nn.functional.pad(every, (0, pad), value=True).view(e - a, ntc, cols_per).all(2).all(0)
-        kinds = [BlockKind.EMPTY if not x else BlockKind.FULL if y else BlockKind.PARTIAL
-                 for x, y in zip(t_any.tolist(), t_all.tolist())]
-        any_visible |= any(k is not BlockKind.EMPTY for k in kinds)
-        all_full &= all(k is BlockKind.FULL for k in kinds)
-        if tile is None:
-            continue
-        for t0, t1, kind in _tile_runs(kinds):
+        for t0, t1, kind in _tile_runs(_tile_kinds(vis, e - a, cols_per, nk)):
             c0, c1 = t0 * cols_per, min(nk, t1 * cols_per)
             payload = None
             if kind is BlockKind.PARTIAL:
@@ -174,15 +182,40 @@ def _classify_step(mask, seqlen, q_pos, kv_pos, batch, heads, tile, budget):
                 payload = BlockMask(mask, seqlen, q_pos[a:e], kv_pos[c0:c1], batch, heads,
                                     dense.clone() if keep else None)
             blocks.append(Block(kind, a, e, c0, c1, payload))
-    if tile is None:  # one block per step: the kernel skips empty tiles itself (flex)
-        if not any_visible:
-            return []
-        if all_full and nq == q_pos.numel() and nk == kv_pos.numel():
-            return [Block(BlockKind.FULL, 0, nq, 0, nk)]
-        n, m = q_pos.numel(), kv_pos.numel()
-        return [Block(BlockKind.PARTIAL, 0, n, 0, m,
-                      BlockMask(mask, seqlen, q_pos, kv_pos, batch, heads))]
     return _coalesce(blocks)
+
+
+def _classify_step_whole(mask, seqlen, q_pos, kv_pos, batch, heads, budget):
+    """One block over the whole local buffers (padding included, as invisible slots), with
+    the kinds of its FLEX_TILE x FLEX_TILE tiles and the dense masks of its partial tiles,
+    for kernels that skip tiles themselves."""
+    n, m, t = q_pos.numel(), kv_pos.numel(), FLEX_TILE
+    if _valid_prefix(q_pos, seqlen) == 0 or _valid_prefix(kv_pos, seqlen) == 0:
+        return []
+    kinds, parts = [], []
+    for a in range(0, n, t):
+        e = min(n, a + t)
+        vis = evaluate(mask, seqlen, q_pos[a:e], kv_pos, batch, heads)
+        row = _tile_kinds(vis, e - a, t, m)
+        for c, kind in enumerate(row):
+            if kind is BlockKind.PARTIAL:
+                tile = torch.zeros(*vis.shape[:2], t, t, dtype=torch.bool, device=vis.device)
+                tile[..., : e - a, : min(m, (c + 1) * t) - c * t] = vis[..., c * t:(c + 1) * t]
+                parts.append(tile)
+        kinds.append([{BlockKind.EMPTY: 0, BlockKind.FULL: 1, BlockKind.PARTIAL: 2}[k] for k in row])
+    grid = torch.tensor(kinds, dtype=torch.uint8)
+    if not bool((grid > 0).any()):
+        return []
+    if bool((grid == 1).all()):
+        return [Block(BlockKind.FULL, 0, n, 0, m)]
+    size = sum(p.numel() for p in parts)
+    tiles = None
+    if parts and size <= budget[0]:
+        budget[0] -= size
+        tiles = torch.stack(parts)
+    payload = BlockMask(mask, seqlen, q_pos, kv_pos, batch, heads, tile_kinds=grid,
+                        tile_masks=tiles if parts else None)
+    return [Block(BlockKind.PARTIAL, 0, n, 0, m, payload)]
 
 
 @lru_cache(maxsize=16)
@@ -207,7 +240,8 @@ def make_plan(layout: Layout, mask: Mask, world: int, rank: int, seqlen: int, *,
     local slots (``tile`` = (rows, cols)): each tile is EMPTY, FULL or PARTIAL over all
     batch rows and heads, and runs of equal tiles along a row tile become blocks; PARTIAL
     blocks carry their dense mask. ``tile=None`` makes one block per step for kernels that
-    skip tiles themselves (flex_attention).
+    skip tiles themselves (flex_attention), carrying the kinds of its FLEX_TILE-square tiles
+    and the dense masks of the partial ones.
 
     Plans are cached per (layout, mask, digest, W, rank, S, B, H, device, tile): forward
     and backward, and every layer of a model, share one classification.

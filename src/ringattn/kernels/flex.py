@@ -3,10 +3,13 @@
 Legend: B batch, Sq query rows, Sk key rows, H heads, Hkv kv heads, D head dim.
 
 The plan hands this kernel one block per ring step (``tile = None``): the local queries
-against the visiting keys, with the mask as a flex ``mask_mod`` that maps block rows and
-columns to GLOBAL positions and calls the user's mask on them. flex's own block mask then
-skips empty tiles and runs full ones without the mask; it is built once per plan block and
-cached on it. Shapes are the same at every step, so the compiled kernel is reused.
+against the visiting keys, classified by the plan in 128 x 128 tiles (empty, full,
+partial) with the dense masks of the partial tiles. That classification becomes flex's
+block mask directly (``BlockMask.from_kv_blocks``): flex skips empty tiles, runs full ones
+without a mask, and its ``mask_mod`` only looks up the partial tiles' stored bits. So the
+user's mask is never traced into a compiled kernel (it runs once, eagerly, in the plan,
+where its errors are reported before any send), every mask compiles to the same kernel,
+and the block mask is built once per plan block and cached on it.
 
 Backward against the FINAL lse of the rows: flex has no such entry point, so the block is
 recomputed with autograd and differentiated through the surrogate
@@ -78,16 +81,55 @@ def _mask_mod(mask, nq: int, nk: int, device):
     return global_mod
 
 
+def _from_tiles(mask: BlockMask, nq: int, nk: int, device):
+    """flex block mask from the plan's tile kinds and partial-tile bits."""
+    from torch.nn.attention.flex_attention import BlockMask as FlexBlockMask
+
+    from ..plan import FLEX_TILE as t
+
+    grid = mask.tile_kinds.to(device)
+
+    def lists(kind):  # per row tile: how many tiles of this kind, and their columns first
+        sel = grid == kind
+        order = torch.argsort((~sel).to(torch.int8), dim=1, stable=True)
+        return sel.sum(1).to(torch.int32)[None, None], order.to(torch.int32)[None, None]
+
+    kv_num, kv_idx = lists(2)
+    full_num, full_idx = lists(1)
+    if mask.tile_masks is not None:
+        # partial tiles' bits, then an all-visible and an all-hidden tile, so mask_mod is
+        # right on every tile (flex calls it on partial tiles only when compiled)
+        part = mask.tile_masks.to(device)  # [P, Bm, Hm, t, t]
+        p = part.shape[0]
+        bits = torch.cat([part, torch.ones_like(part[:1]), torch.zeros_like(part[:1])])
+        tile_id = torch.full(grid.shape, p + 1, dtype=torch.int64, device=device)
+        tile_id[grid == 1] = p
+        tile_id[grid == 2] = torch.arange(p, device=device)
+        b_max = torch.tensor(bits.shape[1] - 1, device=device)
+        h_max = torch.tensor(bits.shape[2] - 1, device=device)
+
+        def mod(b, h, i, j):
+            return bits[tile_id[i // t, j // t], torch.minimum(b, b_max),
+                        torch.minimum(h, h_max), i % t, j % t]
+    else:  # partial tiles too many to keep: evaluate the user's mask inside the kernel
+        mod = _mask_mod(mask, nq, nk, device)
+    return FlexBlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=t,
+                                        mask_mod=mod, seq_lengths=(nq, nk))
+
+
 def _block_mask(mask, b: int, h: int, nq: int, nk: int, device):
     if mask is None:
         return None
     from torch.nn.attention.flex_attention import create_block_mask
 
     cache = mask.cache if isinstance(mask, BlockMask) else None
-    key = ("flex", b, h, nq, nk, str(device))
+    key = ("flex", nq, nk, str(device))
     if cache is not None and key in cache:
         return cache[key]
-    bm = create_block_mask(_mask_mod(mask, nq, nk, device), b, h, nq, nk, device=device)
+    if isinstance(mask, BlockMask) and mask.tile_kinds is not None:
+        bm = _from_tiles(mask, nq, nk, device)
+    else:
+        bm = create_block_mask(_mask_mod(mask, nq, nk, device), None, None, nq, nk, device=device)
     if cache is not None:
         cache[key] = bm
     return bm
