@@ -188,33 +188,34 @@ def _classify_step(mask, seqlen, q_pos, kv_pos, batch, heads, tile, budget):
 def _classify_step_whole(mask, seqlen, q_pos, kv_pos, batch, heads, budget):
     """One block over the whole local buffers (padding included, as invisible slots), with
     the kinds of its FLEX_TILE x FLEX_TILE tiles and the dense masks of its partial tiles,
-    for kernels that skip tiles themselves."""
+    for kernels that skip tiles themselves. Vectorised over tiles: this runs once per new
+    mask (every batch, for packed documents)."""
     n, m, t = q_pos.numel(), kv_pos.numel(), FLEX_TILE
     if _valid_prefix(q_pos, seqlen) == 0 or _valid_prefix(kv_pos, seqlen) == 0:
         return []
-    kinds, parts = [], []
+    ntc = -(-m // t)
+    rows, parts = [], []
     for a in range(0, n, t):
-        e = min(n, a + t)
-        vis = evaluate(mask, seqlen, q_pos[a:e], kv_pos, batch, heads)
-        row = _tile_kinds(vis, e - a, t, m)
-        for c, kind in enumerate(row):
-            if kind is BlockKind.PARTIAL:
-                tile = torch.zeros(*vis.shape[:2], t, t, dtype=torch.bool, device=vis.device)
-                tile[..., : e - a, : min(m, (c + 1) * t) - c * t] = vis[..., c * t:(c + 1) * t]
-                parts.append(tile)
-        kinds.append([{BlockKind.EMPTY: 0, BlockKind.FULL: 1, BlockKind.PARTIAL: 2}[k] for k in row])
-    grid = torch.tensor(kinds, dtype=torch.uint8)
+        vis = evaluate(mask, seqlen, q_pos[a:a + t], kv_pos, batch, heads)
+        pad = (0, ntc * t - m, 0, t - vis.shape[2])
+        hidden = torch.nn.functional.pad(vis, pad)  # slots past the buffers: not visible
+        tiles = hidden.unflatten(3, (ntc, t)).movedim(3, 0)  # [ntc, Bm, Hm, t, t]
+        # past the buffers' ends counts as visible for FULL: flex cuts those rows/cols off
+        full = torch.nn.functional.pad(vis, pad, value=True).unflatten(3, (ntc, t)).movedim(3, 0)
+        kind = torch.where(tiles.flatten(1).any(1),
+                           torch.where(full.flatten(1).all(1), 1, 2), 0).to(torch.uint8)
+        rows.append(kind)
+        parts.append(tiles[kind == 2])
+    grid = torch.stack(rows).cpu()
     if not bool((grid > 0).any()):
         return []
     if bool((grid == 1).all()):
         return [Block(BlockKind.FULL, 0, n, 0, m)]
-    size = sum(p.numel() for p in parts)
-    tiles = None
-    if parts and size <= budget[0]:
-        budget[0] -= size
-        tiles = torch.stack(parts)
+    tiles = torch.cat(parts)
+    keep = tiles.numel() <= budget[0]
+    budget[0] -= tiles.numel() if keep else 0
     payload = BlockMask(mask, seqlen, q_pos, kv_pos, batch, heads, tile_kinds=grid,
-                        tile_masks=tiles if parts else None)
+                        tile_masks=tiles if keep else None)
     return [Block(BlockKind.PARTIAL, 0, n, 0, m, payload)]
 
 

@@ -101,7 +101,9 @@ def _from_tiles(mask: BlockMask, nq: int, nk: int, device):
         # right on every tile (flex calls it on partial tiles only when compiled)
         part = mask.tile_masks.to(device)  # [P, Bm, Hm, t, t]
         p = part.shape[0]
-        bits = torch.cat([part, torch.ones_like(part[:1]), torch.zeros_like(part[:1])])
+        shape = (1, *part.shape[1:])
+        bits = torch.cat([part, torch.ones(shape, dtype=torch.bool, device=device),
+                          torch.zeros(shape, dtype=torch.bool, device=device)])
         tile_id = torch.full(grid.shape, p + 1, dtype=torch.int64, device=device)
         tile_id[grid == 1] = p
         tile_id[grid == 2] = torch.arange(p, device=device)

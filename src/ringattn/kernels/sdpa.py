@@ -5,8 +5,9 @@ Legend: B batch, Sq query rows, Sk key rows, H heads, Hkv kv heads, D head dim.
 * CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``): tiled, never
   materialises Sq x Sk, handles GQA natively, accepts ``is_causal`` (top-left aligned) and an
   additive float mask.
-* CUDA: ``aten._scaled_dot_product_efficient_attention`` (+ ``_backward``): fp32/fp16/bf16,
-  additive bias, LSE. K/V heads are expanded for GQA inside the call only.
+* CUDA: ``aten._scaled_dot_product_flash_attention`` (+ ``_backward``) for unmasked bf16/fp16
+  blocks, else ``aten._scaled_dot_product_efficient_attention`` (+ ``_backward``):
+  fp32/fp16/bf16, additive bias, LSE. K/V heads are expanded for GQA inside the call only.
 
 A block is FULL (no mask), causal (``Band(0, None)``, run with ``is_causal``), a general
 band, or a ``BlockMask`` (a tile of a general mask, with its dense visibility). A general
@@ -18,6 +19,8 @@ which the plan never hands over.
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 import torch
 
@@ -59,8 +62,29 @@ def _expand_heads(x_BHSD: torch.Tensor, heads: int) -> torch.Tensor:
 _LSE_ALIGN = 32
 
 
+def _use_flash(q, k, causal, mask) -> bool:
+    """The CUDA flash op (much faster than the efficient one on Hopper) for unmasked bf16/fp16
+    blocks; causal only when square, where top-left and bottom-right alignment agree."""
+    return (mask is None and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
+            and (not causal or q.shape[2] == k.shape[2]))
+
+
+@lru_cache(maxsize=None)
+def _flash_aux(device, dtype):
+    """The (cum_seq_q, cum_seq_k, philox_seed, philox_offset) the flash forward returns
+    without dropout, which its backward takes back. The ring's backward has only the final
+    out and lse, so they are taken once from a tiny forward on the device."""
+    x = torch.zeros(1, 1, 16, 64, device=device, dtype=dtype)
+    res = _aten._scaled_dot_product_flash_attention(x, x, x, 0.0, False, False)
+    return res[2], res[3], res[6], res[7]
+
+
 def _cuda_fwd(q, k, v, causal, mask, scale):
     h = q.shape[1]
+    if _use_flash(q, k, causal, mask):
+        out, lse = _aten._scaled_dot_product_flash_attention(
+            q, _expand_heads(k, h), _expand_heads(v, h), 0.0, causal, False, scale=scale)[:2]
+        return out, lse
     bias = None if mask is None else mask.expand(q.shape[0], h, *mask.shape[-2:])
     out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
         q, _expand_heads(k, h), _expand_heads(v, h), bias, True, 0.0, causal, scale=scale
@@ -71,6 +95,15 @@ def _cuda_fwd(q, k, v, causal, mask, scale):
 def _cuda_bwd(dout, q, k, v, out, lse, causal, mask, scale):
     b, h, sq, _ = q.shape
     hkv = k.shape[1]
+    if _use_flash(q, k, causal, mask):
+        cum_q, cum_k, seed, offset = _flash_aux(q.device, q.dtype)
+        dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+            dout, q, _expand_heads(k, h), _expand_heads(v, h), out, lse.contiguous(), cum_q,
+            cum_k, sq, k.shape[2], 0.0, causal, seed, offset, scale=scale)
+        if hkv != h:
+            dk = dk.reshape(b, hkv, h // hkv, *dk.shape[2:]).sum(2)
+            dv = dv.reshape(b, hkv, h // hkv, *dv.shape[2:]).sum(2)
+        return dq, dk, dv
     bias = None if mask is None else mask.expand(b, h, *mask.shape[-2:])
     pad = -sq % _LSE_ALIGN
     lse_padded = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
