@@ -36,17 +36,22 @@ def attention(q, k, v, ok, scale=None):
     vh = v.transpose(1, 2).repeat_interleave(h // hkv, dim=1)
     s = (qh @ kh.transpose(-1, -2)) * scale
     s = s.masked_fill(~ok, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
     dead = ~ok.any(-1, keepdim=True)
+    # a row that sees nothing: lse = -inf, with a zero (not NaN) gradient
+    lse = torch.logsumexp(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead[..., 0], float("-inf"))
     p = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
     return (p @ vh).transpose(1, 2), lse
 
 
-def reference(q, k, v, dout, ok, scale=None):
-    """float64 out, lse and the gradients of q, k, v for the upstream gradient ``dout``."""
+def reference(q, k, v, dout, ok, scale=None, dlse=None):
+    """float64 out, lse and the gradients of q, k, v for the upstream gradients ``dout``
+    (of out) and ``dlse`` (of lse; None: lse not used; rows with lse = -inf get none)."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
     out, lse = attention(q, k, v, ok, scale)
-    out.backward(dout.double())
+    loss = (out * dout.double()).sum()
+    if dlse is not None:
+        loss = loss + (torch.where(torch.isfinite(lse), lse, 0.0) * dlse.double()).sum()
+    loss.backward()
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 

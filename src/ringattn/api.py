@@ -13,7 +13,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .comm import RingComm, agree, resolve_group
+from .comm import RingComm, agree, metadata_device, resolve_group
 from .kernels import available_kernels, get_kernel
 from .layouts import LAYOUTS, get_layout
 from .masks import Mask, check_cu_seqlens, document, fingerprint, sliding_window
@@ -28,22 +28,60 @@ _DEVICES = ("cpu", "cuda")
 _LAYOUT_NAMES = sorted(LAYOUTS)
 
 
+LSE_GRAD_COLUMNS = 8
+"""Extra head-dim columns that carry the lse gradient through the backward (8 keeps CUDA
+kernels' alignment)."""
+
+
+def _fold_lse_grad(q, k, v, dout, out, dlse_BHL):
+    """Inputs of a backward whose result includes the gradient of lse.
+
+    d lse_i / d s_ij = p_ij, so the lse gradient g adds g_i p_ij to the score gradient
+    ds_ij = p_ij (dp_ij - delta_i), delta_i = dout_i . out_i: it is the same backward with
+    delta_i - g_i in place of delta_i. Every kernel computes delta from (dout, out), so one
+    extra column with dout = 1 and out = -g (and 0 in q, k, v, so scores and dp do not
+    change) makes it so. The extra columns of dq, dk, dv are dropped.
+    """
+    e = LSE_GRAD_COLUMNS
+    pad = [torch.nn.functional.pad(t, (0, e)) for t in (q, k, v, dout, out)]
+    g = torch.where(torch.isfinite(dlse_BHL), dlse_BHL, 0.0).transpose(1, 2)  # [B, L, H]
+    pad[3][..., -e] = 1
+    pad[4][..., -e] = -g.to(out.dtype)
+    return pad
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring):
+    def forward(ctx, q, k, v, ring: Ring, lse_grad: bool):
         out, lse = ring_forward(q, k, v, ring)
         if any(ctx.needs_input_grad[:3]):
             ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring = ring
-        # lse is an output for composition (merge); gradients flow through out only.
-        ctx.mark_non_differentiable(lse)
+        ctx.ring, ctx.lse_grad = ring, lse_grad
+        if not lse_grad:
+            ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.ring)
-        return dq, dk, dv, None
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        fold = dlse is not None
+        if ctx.lse_grad and ctx.ring.comm.world > 1:
+            # every rank must send the same shapes: fold if any rank has an lse gradient
+            flag = torch.tensor([int(fold)], device=metadata_device(ctx.ring.comm.group))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.ring.comm.group)
+            fold = bool(flag.item())
+        if not fold:
+            dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.ring)
+            return dq, dk, dv, None, None
+        if dlse is None:
+            dlse = torch.zeros_like(lse)
+        d = q.shape[-1]
+        padded = _fold_lse_grad(q, k, v, dout, out, dlse)
+        dq, dk, dv = ring_backward(padded[3], *padded[:3], padded[4], lse, ctx.ring)
+        return dq[..., :d], dk[..., :d], dv[..., :d], None, None
+
 
 
 def _float_bits(x: float) -> int:
@@ -83,7 +121,7 @@ def _effective_mask(spec: AttnSpec, mask: Mask | None, cu: tuple[int, ...] | Non
 
 
 def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seqlen, mask,
-                 cu_seqlens, kernel, backward_overlap, pg):
+                 cu_seqlens, kernel, backward_overlap, return_lse, pg):
     """Validate this rank's inputs and plan its ring; return (spec, plan, kernel, fields)."""
     world = comm.world
     if backward_overlap not in BACKWARD_OVERLAP:
@@ -166,6 +204,7 @@ def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seql
         "mask": digest,
         "cu_seqlens": -2 if cu is None else zlib.crc32(repr(cu).encode()) & 0x7FFFFFFF,
         "last_step": plan.last_step,
+        "return_lse": int(bool(return_lse)),
     }
     return spec, plan, kern, fields
 
@@ -173,7 +212,7 @@ def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seql
 _FIELD_NAMES = (
     "batch", "local_len", "heads", "kv_heads", "head_dim", "dtype", "device", "layout",
     "seqlen", "causal", "window_left", "window_right", "softmax_scale", "kernel", "needs_grad",
-    "mask", "cu_seqlens", "last_step",
+    "mask", "cu_seqlens", "last_step", "return_lse",
 )
 
 
@@ -246,7 +285,9 @@ def ring_attention(
     Returns:
         out [B, S_local, H, D] in q's dtype, or (out, lse) with lse [B, H, S_local] float32
         (float64 for float64 inputs; -inf for rows that see no key, such as padding). lse is
-        not differentiable.
+        differentiable (for LSE merges such as LongNet's mixture, Eagle3's TTT keys): when
+        any rank's lse receives a gradient, the backward carries it in 8 extra head-dim
+        columns (one small all-reduce decides, so ranks agree).
 
     Raises:
         TypeError, ValueError: on bad input or when ranks disagree on shapes or options; the
@@ -258,7 +299,7 @@ def ring_attention(
     try:
         spec, plan, kern, fields = _check_local(
             q, k, v, comm, causal, window_size, softmax_scale, layout, seqlen, mask,
-            cu_seqlens, kernel, backward_overlap, pg,
+            cu_seqlens, kernel, backward_overlap, return_lse, pg,
         )
     except (TypeError, ValueError) as exc:  # reported on every rank by agree() below
         error = exc
@@ -266,5 +307,5 @@ def ring_attention(
     ring = Ring(comm, spec, plan, kern, last + 1, backward_overlap)
     # kernels need unit stride on the head dim (views of a fused qkv projection may not have it)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out, lse = _RingAttention.apply(q, k, v, ring)
+    out, lse = _RingAttention.apply(q, k, v, ring, bool(return_lse))
     return (out, lse) if return_lse else out

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["RingComm", "Hop", "agree", "resolve_group"]
+__all__ = ["RingComm", "Hop", "agree", "metadata_device", "resolve_group"]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns);
 # older releases only have the old name.
@@ -89,7 +89,8 @@ class RingComm:
         return Hop(self, send, recv, tag, shift).start()
 
 
-def _metadata_device(group: dist.ProcessGroup) -> torch.device:
+def metadata_device(group: dist.ProcessGroup) -> torch.device:
+    """Where small control tensors of this group live (the GPU for NCCL, else the CPU)."""
     backend = str(dist.get_backend(group))
     if "nccl" in backend and "gloo" not in backend:
         return torch.device("cuda", torch.cuda.current_device())
@@ -126,7 +127,7 @@ def agree(
     names = list(fields)
     flag = 0 if error is None else (2 if isinstance(error, TypeError) else 1)
     row = torch.tensor([flag, *(int(fields[n]) for n in names)], dtype=torch.int64)
-    dev = _metadata_device(group)
+    dev = metadata_device(group)
     flat = torch.empty(world * row.numel(), dtype=torch.int64, device=dev)
     _all_gather_single(flat, row.to(dev), group=group)
     table = flat.cpu().view(world, row.numel())

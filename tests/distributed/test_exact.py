@@ -125,17 +125,37 @@ def _data(case, dtype):
     k = torch.randn(b, s, case.kv_heads, d, generator=g).to(dtype)
     v = torch.randn(b, s, case.kv_heads, d, generator=g).to(dtype)
     do = torch.randn(b, s, case.heads, d, generator=g).to(dtype)
-    return q, k, v, do
+    # every other case also puts a gradient on lse (as an LSE merge downstream would)
+    dlse = torch.randn(b, case.heads, s, generator=g) if case.seed % 2 == 0 else None
+    return q, k, v, do, dlse
 
 
-def _plain_fused(q, k, v, do, ok):
-    """torch's fused CPU attention op on the whole sequence: the bf16 baseline."""
+def _plain_fused(q, k, v, do, ok, dlse=None):
+    """torch's fused CPU attention op on the whole sequence: the bf16 baseline (an lse
+    gradient enters as delta - dlse, which the op computes from dout and out, so it is
+    folded into an extra column the same way ringattn does)."""
+    if dlse is not None:
+        d = q.shape[-1]
+        qp, kp, vp, dop = (torch.nn.functional.pad(t, (0, 8)) for t in (q, k, v, do))
+        dop[..., d] = 1
+        out, lse, _, _, _ = _plain_fused(q, k, v, do, ok)
+        outp = torch.nn.functional.pad(out, (0, 8))
+        outp[..., d] = -torch.where(torch.isfinite(lse), dlse, 0.0).transpose(1, 2).to(q.dtype)
+        res = _plain_fused_raw(qp, kp, vp, dop, ok, outp, lse)
+        return [out, lse] + [t[..., :d] for t in res[2:]]
+    return _plain_fused_raw(q, k, v, do, ok)
+
+
+def _plain_fused_raw(q, k, v, do, ok, out=None, lse=None):
     qh, kh, vh, doh = (t.transpose(1, 2) for t in (q, k, v, do))
     ok = ok.reshape((1,) * (4 - ok.dim()) + tuple(ok.shape))  # the op takes 2-D or 4-D masks
     mask = torch.zeros(ok.shape, dtype=q.dtype).masked_fill(~ok, float("-inf"))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qh, kh, vh, 0.0, False, attn_mask=mask)
-    lse = lse.masked_fill(~ok.any(-1), float("-inf"))  # the op says 0 for rows seeing nothing
+    if out is None:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qh, kh, vh, 0.0, False, attn_mask=mask)
+        lse = lse.masked_fill(~ok.any(-1), float("-inf"))  # the op says 0 for rows seeing nothing
+    else:
+        out = out.transpose(1, 2)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         doh, qh, kh, vh, out, lse.masked_fill(~ok.any(-1), 0.0), 0.0, False, attn_mask=mask)
     return [t.transpose(1, 2) if t.dim() == 4 else t for t in (out, lse, dq, dk, dv)]
@@ -147,13 +167,13 @@ def run_cases(layout, world_cases, dtype_name):
     rank = dist.get_rank()
     results = {}
     for case in world_cases:
-        q, k, v, do = _data(case, dtype)
+        q, k, v, do, dlse = _data(case, dtype)
         attn_kw, ok = _setup(case, dist.get_world_size())
-        refs = reference(q, k, v, do, ok)  # float64 on the (rounded) inputs
+        refs = reference(q, k, v, do, ok, dlse=dlse)  # float64 on the (rounded) inputs
         if dtype == torch.float32:
             tols = [FP32_TOL] * 5
         else:
-            base = [rel_err(x, r) for x, r in zip(_plain_fused(q, k, v, do, ok), refs)]
+            base = [rel_err(x, r) for x, r in zip(_plain_fused(q, k, v, do, ok, dlse), refs)]
             tols = [2 * e + (1e-6 if i == 1 else 0.0) for i, e in enumerate(base)]
         qx, kx, vx = (t.clone().requires_grad_() for t in (q, k, v))
         kw = dict(layout=layout, seqlen=case.seqlen, cu_seqlens=attn_kw.pop("cu_seqlens", None))
@@ -164,7 +184,11 @@ def run_cases(layout, world_cases, dtype_name):
             **attn_kw, **kw)
         assert out_l.dtype == dtype and lse_l.dtype == torch.float32
         assert lse_l.shape == (case.batch, case.heads, ql.shape[1])
-        ra.unshard(out_l, **kw).backward(do)
+        loss = (ra.unshard(out_l, **kw) * do).sum()
+        if dlse is not None:
+            lse_g = ra.unshard(lse_l, dim=2, **kw)
+            loss = loss + (torch.where(torch.isfinite(lse_g), lse_g, 0.0) * dlse).sum()
+        loss.backward()
         # this rank's own rows of out and lse; padding rows must be exactly 0 / -inf
         pos = ra.positions(case.seqlen, layout=layout)
         if kw["cu_seqlens"] is not None:
