@@ -65,3 +65,41 @@ def test_device_mesh_groups(clusters):
     for rank, (same, err) in enumerate(clusters(2).run(with_device_mesh, timeout=90)):
         assert same, rank
         assert "1-D DeviceMesh" in err and "mesh[dim_name]" in err, (rank, err)
+
+
+def document_round_trips():
+    """cu_seqlens: the per-document zigzag shards, gathers back, and positions gives each
+    slot's global position and its position inside its document."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for cu in ([0, 1, 2, 9, 10, 37], [0, 37], [0, 3, 4, 5, 6, 7, 8, 30, 31, 37]):
+        seqlen = cu[-1]
+        g = torch.Generator().manual_seed(seqlen)  # the same global tensor on every rank
+        x = torch.randn(2, seqlen, 3, generator=g, dtype=torch.float64, requires_grad=True)
+        kw = dict(layout="zigzag", cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+        local = ra.shard(x, **kw)
+        assert local.shape[1] == -(-seqlen // world)
+        pos, in_doc = ra.positions(seqlen, **kw)
+        starts = torch.tensor(cu[:-1])
+        for slot, (p, d) in enumerate(zip(pos.tolist(), in_doc.tolist())):
+            if p < seqlen:
+                assert torch.equal(local[:, slot], x[:, p])
+                assert d == p - int(starts[starts <= p].max()), (cu, rank, slot, p, d)
+            else:
+                assert torch.equal(local[:, slot], torch.zeros_like(local[:, slot])) and d == 0
+        back = ra.unshard(local, **kw)
+        assert torch.equal(back, x)
+        back.sum().backward()
+        assert torch.equal(x.grad, torch.ones_like(x))
+    try:
+        ra.shard(torch.zeros(1, 12), cu_seqlens=[0, 5, 11])
+        err = "no error"
+    except ValueError as exc:
+        err = str(exc)
+    return err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_document_sharding(clusters, world):
+    for rank, err in enumerate(clusters(world).run(document_round_trips, timeout=90)):
+        assert "must end at S=12" in err, (rank, err)
