@@ -90,16 +90,19 @@ def document_round_trips():
         assert torch.equal(back, x)
         back.sum().backward()
         assert torch.equal(x.grad, torch.ones_like(x))
-    try:
-        ra.shard(torch.zeros(1, 12), cu_seqlens=[0, 5, 11])
-        err = "no error"
-    except ValueError as exc:
-        err = str(exc)
-    return err
+    errs = []
+    for seqlen in (None, 12):
+        try:
+            ra.shard(torch.zeros(1, 12), cu_seqlens=[0, 5, 11], seqlen=seqlen)
+            errs.append("no error")
+        except ValueError as exc:
+            errs.append(str(exc))
+    return errs
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 3])
 def test_document_sharding(clusters, world):
-    for rank, err in enumerate(clusters(world).run(document_round_trips, timeout=90)):
-        assert "must end at S=12" in err, (rank, err)
+    for rank, errs in enumerate(clusters(world).run(document_round_trips, timeout=90)):
+        assert "tensor has 12 entries along dim 1, but seqlen=11" in errs[0], (rank, errs)
+        assert "cu_seqlens must end at S=12, but ends at 11" in errs[1], (rank, errs)
