@@ -189,7 +189,7 @@ def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seql
     full_mask = _effective_mask(spec, mask, cu)
     general = full_mask.band is None
     kern = get_kernel(kernel, q.device, q.dtype, general=general)
-    digest = fingerprint(full_mask, seqlen, b, h)
+    digest = fingerprint(full_mask, seqlen, b, h, q.device)
     plan = make_plan(lay, full_mask, world, comm.rank, seqlen, batch=b, heads=h,
                      device=q.device, tile=getattr(kern, "tile", (256, 128)), digest=digest)
     names = available_kernels()

@@ -471,17 +471,18 @@ def evaluate(mask: Mask, seqlen: int, q_pos: torch.Tensor, kv_pos: torch.Tensor,
     return r.expand(shape) & valid
 
 
-def fingerprint(mask: Mask, seqlen: int, batch: int, heads: int) -> int:
+def fingerprint(mask: Mask, seqlen: int, batch: int, heads: int, device="cpu") -> int:
     """A 31-bit digest of the mask on a fixed probe of positions, the same on every rank
-    for a mask that is the same function everywhere (the ranks compare it before any send)."""
+    for a mask that is the same function everywhere (the ranks compare it before any send).
+    Evaluated on ``device``, where a mask's captured tensors live."""
     n = min(seqlen, 48)
     probe = torch.unique(torch.cat([
         torch.arange(min(seqlen, 16)),
         torch.linspace(0, seqlen - 1, n).round().long(),
         torch.arange(max(0, seqlen - 16), seqlen),
-    ]))
+    ])).to(device)
     vis = evaluate(mask, seqlen, probe, probe, batch, heads)
-    data = vis.reshape(-1).to(torch.uint8).numpy().tobytes()
+    data = vis.reshape(-1).to(torch.uint8).cpu().numpy().tobytes()
     return zlib.crc32(repr(tuple(vis.shape)).encode() + data) & 0x7FFFFFFF
 
 
@@ -507,6 +508,9 @@ class BlockMask:
     tile_masks: torch.Tensor | None = None
     """With ``tile_kinds``: bool [partial tiles, Bm, Hm, t, t], the partial tiles in row-major
     order (None if none, or too large to keep: then the mask is evaluated again)."""
+    row_bounds: torch.Tensor | None = None
+    """With ``tile_kinds``, when every row sees one run of columns: int32 [2, Bm, Hm, Sq],
+    row i sees columns [row_bounds[0, .., i], row_bounds[1, .., i]) (kept instead of bits)."""
     cache: dict = field(default_factory=dict)
 
     def dense(self) -> torch.Tensor:

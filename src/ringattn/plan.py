@@ -194,9 +194,17 @@ def _classify_step_whole(mask, seqlen, q_pos, kv_pos, batch, heads, budget):
     if _valid_prefix(q_pos, seqlen) == 0 or _valid_prefix(kv_pos, seqlen) == 0:
         return []
     ntc = -(-m // t)
-    rows, parts = [], []
+    rows, parts, bounds, intervals = [], [], [], True
+    cols = torch.arange(m, device=q_pos.device)
     for a in range(0, n, t):
         vis = evaluate(mask, seqlen, q_pos[a:a + t], kv_pos, batch, heads)
+        # rows whose visible columns are one run [lo, hi) (documents, causal, windows,
+        # prefix-LM): kernels can test two bounds instead of reading stored bits
+        cnt = vis.sum(-1)
+        lo = torch.where(vis, cols, m).amin(-1)
+        hi = torch.where(vis, cols + 1, 0).amax(-1)
+        intervals = intervals and bool(((cnt == 0) | (hi - lo == cnt)).all())
+        bounds.append(torch.stack([torch.where(cnt > 0, lo, 0), hi]).to(torch.int32))
         pad = (0, ntc * t - m, 0, t - vis.shape[2])
         hidden = torch.nn.functional.pad(vis, pad)  # slots past the buffers: not visible
         tiles = hidden.unflatten(3, (ntc, t)).movedim(3, 0)  # [ntc, Bm, Hm, t, t]
@@ -211,6 +219,10 @@ def _classify_step_whole(mask, seqlen, q_pos, kv_pos, batch, heads, budget):
         return []
     if bool((grid == 1).all()):
         return [Block(BlockKind.FULL, 0, n, 0, m)]
+    if intervals:
+        payload = BlockMask(mask, seqlen, q_pos, kv_pos, batch, heads, tile_kinds=grid,
+                            row_bounds=torch.cat(bounds, dim=-1))
+        return [Block(BlockKind.PARTIAL, 0, n, 0, m, payload)]
     tiles = torch.cat(parts)
     keep = tiles.numel() <= budget[0]
     budget[0] -= tiles.numel() if keep else 0
