@@ -102,7 +102,7 @@ def plan_counts(layout: Layout, mask: WindowMask, world: int, rank: int) -> dict
 # General masks: classified by evaluating the mask on tiles of local slots.
 # ---------------------------------------------------------------------------------------
 
-STORED_MASK_BYTES = 64 << 20
+STORED_MASK_BYTES = 32 << 20
 """Partial tiles' dense masks are kept with the plan up to this many bytes per plan; past
 it they are evaluated again when a kernel needs them (masks with few partial tiles, such as
 documents and causal, stay far below it)."""

@@ -220,18 +220,13 @@ def check(per_rank, dtype_name, worst):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["bands", "masks"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 6])
-def test_fp32_exact(clusters, worst_errors, world, layout):
-    per_rank = clusters(world).run(run_cases, layout, cases(world), "float32", timeout=200)
-    check(per_rank, "float32", worst_errors)
-
-
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 6])
-def test_masks_fp32_exact(clusters, worst_errors, world, layout):
-    per_rank = clusters(world).run(run_cases, layout, mask_cases(world), "float32", timeout=200)
+def test_fp32_exact(clusters, worst_errors, world, layout, kind):
+    """bands: causal/window shorthands; masks: general masks and packed documents."""
+    picked = cases(world) if kind == "bands" else mask_cases(world)
+    per_rank = clusters(world).run(run_cases, layout, picked, "float32", timeout=200)
     check(per_rank, "float32", worst_errors)
 
 
