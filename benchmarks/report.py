@@ -1,6 +1,6 @@
 """Write the measured tables of benchmarks/RESULTS.md from the benchmarks' JSON.
 
-    python benchmarks/report.py        # after bench_attention.py and bench_scaling.py
+    python benchmarks/report.py        # after the bench_*.py scripts
 
 Everything between the two GENERATED markers in RESULTS.md is replaced; the text around
 them (what the numbers mean) is kept as written.
@@ -101,6 +101,106 @@ def paired_tables(data: dict) -> list[str]:
     return out
 
 
+def masks_tables(data: dict) -> list[str]:
+    import statistics
+
+    bal = data["balance"]
+    ss, ws = bal["S"], bal["W"]
+    layouts = ("contiguous", "striped", "zigzag", "doc-zigzag")
+    worst = {(r["layout"], r["S"], r["W"]): r for r in bal["worst"]}
+    cols = [(s, w) for s in ss for w in ws]
+    head = "| layout | " + " | ".join(f"S={s} W={w}" for s, w in cols) + " |"
+    rule = "|---|" + "---|" * len(cols)
+    out = [f"Measured {_machine(data['machine'])}.", "",
+           f"Packs: document lengths log-normal (median {bal['median']:g} tokens, sigma "
+           f"{bal['sigma']:g}), clipped to [1, S], drawn until S; {len(bal['seeds'])} packs "
+           "(seeds) per S. Work of a rank = visible (query, key) pairs of its queries under "
+           "the document & causal mask. `zigzag` is the sequence-level `Zigzag()`, "
+           "`doc-zigzag` the per-document `DocumentZigzag`.", "",
+           "### Busiest rank's work / mean: worst over the packs (median)", "", head, rule]
+    for lay in layouts:
+        out.append(f"| {lay} | " + " | ".join(
+            f"{worst[lay, s, w]['worst_max_over_mean']:.3f} ({worst[lay, s, w]['median_max_over_mean']:.3f})"
+            for s, w in cols) + " |")
+    out += ["", "### Least busy rank's work / mean: worst over the packs", "", head, rule]
+    for lay in layouts:
+        out.append(f"| {lay} | " + " | ".join(
+            f"{worst[lay, s, w]['worst_min_over_mean']:.3f}" for s, w in cols) + " |")
+    out += ["", f"doc-zigzag: every rank within {data['balance_tol']:.0%} of the mean in every "
+            f"pack: {'yes' if bal['doc_zigzag_within_tol'] else 'NO'} (largest deviation "
+            f"{bal['doc_zigzag_worst_dev']:.2%}); real tokens per rank, max - min: "
+            f"{max(worst['doc-zigzag', s, w]['worst_token_spread'] for s, w in cols)} at most.", ""]
+    tiles = bal.get("tile_balance") or []
+    if tiles:
+        tws = sorted({r["W"] for r in tiles})
+        out += [f"### What the CPU kernels compute (pack {tiles[0]['seed']}, S={tiles[0]['S']}, "
+                "256x128 tiles)", "",
+                "(query, key) pairs the busiest rank's kernel calls compute / mean visible pairs "
+                "per rank; in parentheses the same for the mean rank, then the busiest rank's "
+                "kernel calls per forward. A PARTIAL tile is computed whole, with a mask.", "",
+                "| layout | " + " | ".join(f"W={w}" for w in tws) + " |", "|---|" + "---|" * len(tws)]
+        for lay in layouts:
+            cells = []
+            for w in tws:
+                r = next((x for x in tiles if (x["layout"], x["W"]) == (lay, w)), None)
+                cells.append("-" if r is None else
+                             f"{r['max_computed_over_mean_visible']:.2f} "
+                             f"({r['mean_computed_over_mean_visible']:.2f}; {r['max_calls']} calls)")
+            out.append(f"| {lay} | " + " | ".join(cells) + " |")
+        out.append("")
+    for rec in data.get("time", []):
+        if "ratios" not in rec:
+            continue
+        n_rounds = len(next(iter(rec["times_s"].values())))
+        out += [f"### Masked batch: S={rec['S']}, H={rec['H']}, Hkv={rec['Hkv']}, D={rec['D']}, "
+                f"fp32, W={rec['W']}", "",
+                f"{len(rec['doc_lengths'])} documents of lengths {rec['doc_lengths']}; dense-mask "
+                f"SDPA backend: {rec['sdpa_backend']}; {n_rounds} paired rounds. Ratios: median "
+                "(range) over rounds of the row's time / the column's.", "",
+                "| method | seconds: median (min..max) | / sdpa-dense-2t | / sdpa-dense-1t | / sdpa-per-doc-2t |",
+                "|---|---|---|---|---|"]
+        for m, xs in rec["times_s"].items():
+            cells = []
+            for base in ("sdpa-dense-2t", "sdpa-dense-1t", "sdpa-per-doc-2t"):
+                r = rec["ratios"].get(f"{m} / {base}")
+                cells.append("-" if r is None else
+                             f"{statistics.median(r):.3f} ({min(r):.3f}..{max(r):.3f})")
+            out.append(f"| {m} | {statistics.median(xs):.3g} ({min(xs):.3g}..{max(xs):.3g}) | "
+                       + " | ".join(cells) + " |")
+        checks = ", ".join(f"{m} {max(e['rel_norm'] for e in c.values()):.1e}"
+                           for m, c in rec["check"].items())
+        out += ["", f"Cross-check against the dense-mask SDPA (worst of out, dq, dk, dv of "
+                f"||x - ref|| / ||ref||, tolerance {data['check_tol']:g}): {checks}.", ""]
+        out += ["| method | rank | FULL / PARTIAL kernel calls (fwd) | calls per ring step | "
+                "visible pairs (M) | computed pairs (M) | of which in PARTIAL tiles (M) |",
+                "|---|---|---|---|---|---|---|"]
+        for m, per_rank in rec["plans"].items():
+            for p in per_rank:
+                out.append(f"| {m} | {p['rank']} | {p['full_blocks']} / {p['partial_blocks']} | "
+                           f"{p['blocks_per_step']} | {p['visible_pairs'] / 1e6:.2f} | "
+                           f"{p['computed_pairs'] / 1e6:.2f} | "
+                           f"{p['computed_pairs_in_partial_blocks'] / 1e6:.2f} |")
+        out.append("")
+        if rec.get("profile"):
+            out += ["Where each rank's time goes (block-kernel stopwatch, mean of "
+                    f"{data.get('profile_calls', 3)} fwd+bwd after the rounds): kernel seconds and "
+                    "ns per (query, key) pair and head, fwd+bwd, for FULL blocks and masked PARTIAL tiles.", "",
+                    "| method | rank | wall s | kernels s | FULL s (ns/pair) | masked s (ns/pair) |",
+                    "|---|---|---|---|---|---|"]
+            for m, per_rank in rec["profile"].items():
+                for p in per_rank:
+                    cells = []
+                    for kind in ("full", "masked"):
+                        sec = p["kernel_s"][f"fwd_{kind}"] + p["kernel_s"][f"bwd_{kind}"]
+                        pairs = p["kernel_pairs"][f"fwd_{kind}"]  # bwd computes the same blocks
+                        per = f"{sec / pairs * 1e9 / rec['H']:.2f}" if pairs else "-"
+                        cells.append(f"{sec:.3f} ({per})")
+                    out.append(f"| {m} | {p['rank']} | {p['wall_s']:.3f} | {p['kernel_total_s']:.3f} | "
+                               + " | ".join(cells) + " |")
+            out.append("")
+    return out
+
+
 def main() -> None:
     results = HERE / "results"
     lines = [BEGIN, "", "## Attention: speed and memory (`bench_attention.py --quick`)", ""]
@@ -115,6 +215,11 @@ def main() -> None:
         lines += ["## Longest sequence under a memory cap (`bench_scaling.py`)", ""]
         lines += scaling_tables(json.loads(scaling.read_text()))
         lines += ["![scaling](results/scaling.png)", ""]
+    masks = results / "masks.json"
+    if masks.exists():
+        lines += ["## Packed documents: balance and masked-batch speed (`bench_masks.py`)", ""]
+        lines += masks_tables(json.loads(masks.read_text()))
+        lines += ["![balance](results/masks_balance.png)", "", "![masked time](results/masks_time.png)", ""]
     lines.append(END)
     path = HERE / "RESULTS.md"
     text = path.read_text() if path.exists() else f"# Benchmark results\n\n{BEGIN}\n{END}\n"
