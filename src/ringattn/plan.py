@@ -160,7 +160,35 @@ def _tile_kinds(vis, rows: int, cols_per: int, ncols: int):
             for x, y in zip(t_any.tolist(), t_all.tolist())]
 
 
-def _classify_step(mask, seqlen, q_pos, kv_pos, batch, heads, tile, budget):
+MIN_PIECE = 32
+"""Segment boundaries closer than this are not cut at (many tiny documents stay in shared
+tiles rather than becoming thousands of tiny kernel calls)."""
+
+
+def _cuts(starts, n: int, width: int) -> list[int]:
+    """Tile boundaries over [0, n): the layout's segment starts (pieces of at least
+    MIN_PIECE), then every ``width`` inside each piece. Tiles aligned to segments never mix
+    two chunks (two documents, for the per-document layout), so a mask that is empty, full
+    or causal per chunk pair leaves few partial tiles."""
+    marks = [0]
+    for s in [*starts, n]:
+        s = min(s, n)
+        if s - marks[-1] >= MIN_PIECE:
+            marks.append(s)
+    if marks[-1] != n:  # a short tail joins the piece before it
+        if len(marks) > 1:
+            marks[-1] = n
+        else:
+            marks.append(n)
+    out = [0]
+    for a, b in zip(marks[:-1], marks[1:]):
+        out.extend(range(a + width, b, width))
+        out.append(b)
+    return out
+
+
+def _classify_step(mask, seqlen, q_pos, kv_pos, q_starts, kv_starts, batch, heads, tile,
+                   budget):
     """Blocks of one (local queries, visiting keys) pair under a general mask."""
     if tile is None:
         return _classify_step_whole(mask, seqlen, q_pos, kv_pos, batch, heads, budget)
@@ -168,12 +196,21 @@ def _classify_step(mask, seqlen, q_pos, kv_pos, batch, heads, tile, budget):
     if nq == 0 or nk == 0:
         return []
     rows_per, cols_per = tile
+    cols = _cuts(kv_starts, nk, cols_per)
+    cut = torch.tensor(cols, device=kv_pos.device)
+    width = cut[1:] - cut[:-1]
     blocks = []
-    for a in range(0, nq, rows_per):
-        e = min(nq, a + rows_per)
+    rows = _cuts(q_starts, nq, rows_per)
+    for a, e in zip(rows[:-1], rows[1:]):
         vis = evaluate(mask, seqlen, q_pos[a:e], kv_pos[:nk], batch, heads)
-        for t0, t1, kind in _tile_runs(_tile_kinds(vis, e - a, cols_per, nk)):
-            c0, c1 = t0 * cols_per, min(nk, t1 * cols_per)
+        # per column tile: how many columns anyone sees, and how many everyone sees
+        seen = torch.nn.functional.pad(vis.any(2).any(1).any(0).cumsum(0), (1, 0))
+        every = torch.nn.functional.pad(vis.all(2).all(1).all(0).cumsum(0), (1, 0))
+        n_seen, n_every = seen[cut[1:]] - seen[cut[:-1]], every[cut[1:]] - every[cut[:-1]]
+        kinds = [BlockKind.EMPTY if x == 0 else BlockKind.FULL if y == w else BlockKind.PARTIAL
+                 for x, y, w in zip(n_seen.tolist(), n_every.tolist(), width.tolist())]
+        for t0, t1, kind in _tile_runs(kinds):
+            c0, c1 = cols[t0], cols[t1]
             payload = None
             if kind is BlockKind.PARTIAL:
                 dense = vis[..., c0:c1]
@@ -234,9 +271,12 @@ def _classify_step_whole(mask, seqlen, q_pos, kv_pos, batch, heads, budget):
 @lru_cache(maxsize=16)
 def _general_plan(layout, mask, digest, world, rank, seqlen, batch, heads, device, tile) -> Plan:
     pos = [local_positions(layout, r, world, seqlen).to(device) for r in range(world)]
+    padded = layout.padded_len(seqlen, world)
+    starts = [[seg.local_start for seg in layout.segments(r, world, padded)] for r in range(world)]
     budget = [STORED_MASK_BYTES]
     steps = tuple(
         tuple(_classify_step(mask, seqlen, pos[rank], pos[kv_source(rank, t, world)],
+                             starts[rank], starts[kv_source(rank, t, world)],
                              batch, heads, tile, budget))
         for t in range(world)
     )
