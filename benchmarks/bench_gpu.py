@@ -129,6 +129,15 @@ def main():
                          first_call_ms=first_ms, cached_call_ms=cached_ms))
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
+    # per-call host cost: at S=512 the GPU work is tiny, so fwd+bwd time is launch overhead
+    for label, kw in (("causal", dict(causal=True)), ("documents&causal", dict(causal=True, cu_seqlens=[0, 100, 300, 512]))):
+        x = [t[:, :512].detach().requires_grad_() for t in (q, k, v)]
+        t_small = bench(lambda: ra.ring_attention(*x, **kw), x, do[:, :512])
+        xt = [t[:, :, :512].detach().requires_grad_() for t in (qt, kt, vt)]
+        t_sdpa = bench(lambda: F.scaled_dot_product_attention(*xt, is_causal=True, enable_gqa=True), xt, dot[:, :, :512])
+        rows.append(dict(S=512, mask=label, ringattn_ms=t_small, sdpa_causal_ms=t_sdpa,
+                         note="per-call overhead: GPU work is negligible at this size"))
+        print(rows[-1], flush=True)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                 python=platform.python_version(), shape=dict(B=b, H=h, Hkv=hkv, D=d, dtype=str(dtype)),
                 date=time.strftime("%Y-%m-%d"))

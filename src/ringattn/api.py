@@ -83,7 +83,6 @@ class _RingAttention(torch.autograd.Function):
         return dq[..., :d], dk[..., :d], dv[..., :d], None, None
 
 
-
 def _float_bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", x))[0]
 

@@ -65,7 +65,7 @@ def ring_forward(q_BLHD, k_BLHD, v_BLHD, ring: Ring):
             else:  # first result for these rows: merging with (0, -inf) is a copy
                 out_BLHD[:, rows] = o
                 lse_BHL[:, :, rows] = lse
-                written.append((blk.q_start, blk.q_stop))
+            written.append((blk.q_start, blk.q_stop))
         if hop is not None:
             kv, spare = hop.wait(), kv
     return out_BLHD.to(q_BLHD.dtype), lse_BHL
