@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import zlib
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 
@@ -474,7 +475,13 @@ def evaluate(mask: Mask, seqlen: int, q_pos: torch.Tensor, kv_pos: torch.Tensor,
 def fingerprint(mask: Mask, seqlen: int, batch: int, heads: int, device="cpu") -> int:
     """A 31-bit digest of the mask on a fixed probe of positions, the same on every rank
     for a mask that is the same function everywhere (the ranks compare it before any send).
-    Evaluated on ``device``, where a mask's captured tensors live."""
+    Evaluated on ``device``, where a mask's captured tensors live; cached per mask (masks
+    are pure), so repeated calls cost no evaluation and no device sync."""
+    return _fingerprint(mask, seqlen, batch, heads, str(device))
+
+
+@lru_cache(maxsize=64)
+def _fingerprint(mask: Mask, seqlen: int, batch: int, heads: int, device: str) -> int:
     n = min(seqlen, 48)
     probe = torch.unique(torch.cat([
         torch.arange(min(seqlen, 16)),
