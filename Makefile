@@ -22,12 +22,14 @@ demo: install
 test: install
 	$(PY) -m pytest -q tests
 
-# Benchmarks (about 30 minutes on 2 cores): JSON + PNG under benchmarks/results/.
+# Benchmarks (about 40 minutes on 2 cores): JSON + PNG under benchmarks/results/.
+# bench_gpu.py needs a CUDA GPU and is run by hand (benchmarks/README.md).
 bench: install
 	$(PY) benchmarks/torch_ring.py
 	$(PY) benchmarks/bench_attention.py --quick
 	$(PY) benchmarks/bench_scaling.py
 	$(PY) benchmarks/bench_paired.py
+	$(PY) benchmarks/bench_masks.py
 	$(PY) benchmarks/report.py
 
 clean:

@@ -530,7 +530,7 @@ def plot_balance(bal: dict, path: Path) -> None:
         ax.axhline(1, color="0.5", lw=0.8)
         ax.set_xticks(range(len(ws)), [f"W={w}" for w in ws])
         ax.set_ylabel("(q, k) pairs the kernels compute / mean visible pairs")
-        ax.set_title(f"What the CPU kernels compute (256x128 tiles), S={tiles[0]['S']}, "
+        ax.set_title(f"What the CPU kernels compute (tiles cut at segments), S={tiles[0]['S']}, "
                      f"pack {tiles[0]['seed']}", fontsize=9)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7)

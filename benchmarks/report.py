@@ -134,7 +134,7 @@ def masks_tables(data: dict) -> list[str]:
     if tiles:
         tws = sorted({r["W"] for r in tiles})
         out += [f"### What the CPU kernels compute (pack {tiles[0]['seed']}, S={tiles[0]['S']}, "
-                "256x128 tiles)", "",
+                "tiles of up to 256x128 cut at segment boundaries)", "",
                 "(query, key) pairs the busiest rank's kernel calls compute / mean visible pairs "
                 "per rank; in parentheses the same for the mean rank, then the busiest rank's "
                 "kernel calls per forward. A PARTIAL tile is computed whole, with a mask.", "",
