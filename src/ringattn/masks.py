@@ -164,9 +164,10 @@ class WindowMask:
 class Mask:
     """Visibility as a function of global (batch, head, q_pos, kv_pos), like flex's mask_mod.
 
-    ``mask(b, h, q, kv)`` takes integer tensors that broadcast against each other (the ring
-    passes ``b`` [B,1,1,1], ``h`` [1,H,1,1], ``q`` [1,1,Sq,1], ``kv`` [1,1,1,Sk]; flex passes
-    0-d tensors) and returns a bool tensor of their broadcast shape. Positions are global,
+    ``mask(b, h, q, kv)`` takes integer tensors that broadcast against each other (the plan
+    passes ``b`` [B,1,1,1], ``h`` [1,H,1,1], ``q`` [1,1,Sq,1], ``kv`` [1,1,1,Sk]; only when
+    a plan's partial tiles are too many to store does flex call it with 0-d tensors) and
+    returns a bool tensor of their broadcast shape. Positions are global,
     so a mask written for the whole sequence works unchanged on shards. Combine masks with
     ``&`` (both allow) and ``|`` (either allows).
 
@@ -423,9 +424,9 @@ def from_function(fn) -> Mask:
     """Wrap a flex_attention ``mask_mod``: ``fn(b, h, q_pos, kv_pos) -> bool tensor``.
 
     Positions are GLOBAL. ``fn`` must use tensor operations only (it is called on
-    broadcasting index tensors and, on CUDA, under flex's vmap) and must be pure: the ring
+    broadcasting index tensors, and possibly by flex under vmap) and must be pure: the ring
     caches its classification per mask object, so build a new mask if captured data
-    changes.
+    changes, and reuse the object otherwise (a new object is classified again).
     """
     if not callable(fn):
         raise TypeError(f"from_function takes a callable mask_mod, got {type(fn).__name__}")
