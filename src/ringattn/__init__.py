@@ -17,12 +17,15 @@ Example (every rank runs this; ``pg`` is a process group of W ranks)::
 
 from . import kernels, layouts, masks, plan
 from .api import ring_attention
+from .batch import RingContext, all_reduce_metrics, shard_batch
 from .merge import merge
 from .sharding import positions, shard, unshard
 from .spec import AttnSpec
 
 __all__ = [
     "AttnSpec",
+    "RingContext",
+    "all_reduce_metrics",
     "kernels",
     "layouts",
     "masks",
@@ -31,6 +34,7 @@ __all__ = [
     "positions",
     "ring_attention",
     "shard",
+    "shard_batch",
     "unshard",
 ]
 __version__ = "0.1.0"

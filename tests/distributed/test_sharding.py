@@ -106,3 +106,37 @@ def test_document_sharding(clusters, world):
     for rank, errs in enumerate(clusters(world).run(document_round_trips, timeout=90)):
         assert "tensor has 12 entries along dim 1, but seqlen=11" in errs[0], (rank, errs)
         assert "cu_seqlens must end at S=12, but ends at 11" in errs[1], (rank, errs)
+
+
+def batch_helpers():
+    """shard_batch's labels are shifted globally; all_reduce_metrics gives global means."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ids = torch.arange(1, 12)[None].repeat(2, 1)  # S = 11: pads to W shards
+    keep = torch.ones(2, 11, dtype=torch.long)
+    keep[0, 9:] = 0  # right padding on row 0
+    local = ra.shard_batch(dict(input_ids=ids, labels=ids, attention_mask=keep), layout="zigzag")
+    pos = ra.positions(11, layout="zigzag")
+    for slot, p in enumerate(pos.tolist()):
+        for row in range(2):
+            target = int(local["shift_labels"][row, slot])
+            if p >= 11 or p == 10 or (row == 0 and p >= 8):
+                assert target == -100, (rank, row, slot, p, target)  # no target there
+            else:
+                assert target == p + 2, (rank, row, slot, p, target)  # the next token
+    n = int(local["num_items_in_batch"])
+    means = ra.all_reduce_metrics({"rank": (rank, 1), "tokens": (n, 1), "empty": (0, 0)})
+    errs = []
+    try:
+        ra.shard_batch(dict(input_ids=ids, labels=ids[:, :5]))
+    except ValueError as exc:
+        errs.append(str(exc))
+    return n, means, errs
+
+
+@pytest.mark.timeout(60)
+def test_batch_helpers(clusters):
+    for rank, (n, means, errs) in enumerate(clusters(3).run(batch_helpers, timeout=45)):
+        assert n == 10 + 8, (rank, n)  # row 0: targets of positions 0..7; row 1: 0..9
+        assert means["rank"] == 1.0 and means["tokens"] == 18.0, (rank, means)
+        assert means["empty"] != means["empty"]  # nan: nothing counted
+        assert "batch['labels'] must be a tensor of shape [B=2, S=11" in errs[0], (rank, errs)

@@ -1,0 +1,159 @@
+"""Whole training batches under context parallelism: sharding, global labels, global metrics.
+
+Legend: B batch, S global seq, L local seq, W world size.
+
+``shard_batch`` turns the usual batch dict (``input_ids``, ``labels``, ``attention_mask``,
+``position_ids``, packed-document ``cu_seq_lens_q``) into this rank's shard plus what ring
+attention needs (a ``RingContext``), passed through the model's own keyword arguments, so
+``model(**local)`` works with any model that forwards its kwargs to the attention
+function (transformers models do; see ``ringattn.integrations.transformers``).
+
+Labels are shifted on the GLOBAL sequence before sharding (``shift_labels``), so no token's
+target is lost at a shard boundary, and the loss is normalised by the GLOBAL number of
+target tokens (``num_items_in_batch``): each rank's loss is its share of the global mean,
+and their sum over the group is the single-process loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .comm import metadata_device, resolve_group
+from .masks import Mask, check_cu_seqlens, from_function
+from .sharding import positions, shard
+
+__all__ = ["RingContext", "shard_batch", "all_reduce_metrics"]
+
+
+@dataclass(frozen=True, eq=False)
+class RingContext:
+    """What an attention layer needs to run ring attention on one sharded batch."""
+
+    group: dist.ProcessGroup
+    layout: str
+    seqlen: int
+    """Global S of the batch."""
+    cu_seqlens: tuple[int, ...] | None = None
+    """Packed documents (flash-attn's offsets), or None."""
+    mask: Mask | None = None
+    """Key padding of the batch rows (None without padding); and-ed with causal/window."""
+
+    def attention_kwargs(self) -> dict:
+        """Keyword arguments for ``ring_attention`` describing this batch."""
+        return dict(group=self.group, layout=self.layout, seqlen=self.seqlen,
+                    cu_seqlens=self.cu_seqlens, mask=self.mask)
+
+
+def _documents(batch, seqlen):
+    """cu_seqlens of a packed batch: given, or from position_ids that restart at 0."""
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens"):
+        if batch.get(key) is not None:
+            return check_cu_seqlens(batch[key], seqlen)
+    pos = batch.get("position_ids")
+    if pos is None or pos.shape[0] != 1:
+        return None
+    starts = torch.nonzero(pos[0] == 0).flatten().tolist()
+    if starts[:1] != [0] or len(starts) == 1:
+        return None
+    return check_cu_seqlens([*starts, seqlen], seqlen)
+
+
+def shard_batch(batch: dict, *, group=None, layout: str = "zigzag", extra_keys=(),
+                ignore_index: int = -100) -> dict:
+    """This rank's shard of a causal-LM batch, ready for ``model(**local)``.
+
+    Arguments:
+        batch: the global batch (the same on every rank): ``input_ids`` [B, S] and
+            optionally ``labels`` [B, S] (unshifted, as transformers takes them),
+            ``attention_mask`` [B, S] (1 real, 0 padding; left or right), ``position_ids``
+            [B, S] (positions restarting at 0 mark packed documents when B = 1, as
+            ``DataCollatorWithFlattening`` makes them) or ``cu_seq_lens_q`` (packed
+            documents, flash-attn's offsets), and any tensor named in ``extra_keys``
+            (sequence on dim 1).
+        group: the context-parallel group (ProcessGroup, 1-D DeviceMesh or None).
+        layout: "zigzag" (per document when the batch is packed), "contiguous", "striped".
+        extra_keys: more per-token tensors to shard, returned under their own names.
+        ignore_index: the label of tokens that have no target.
+
+    Returns:
+        A dict: ``input_ids`` [B, L]; ``position_ids`` [B, L] (global positions, or
+        positions inside each document when packed; RoPE needs these); when labels are
+        given, ``labels`` and ``shift_labels`` [B, L] (the target of each local token,
+        taken from the global sequence: padding, document ends and the last token get
+        ``ignore_index``; so does a padding token followed by a real one, whose prediction
+        transformers counts although it attends to padding only) and ``num_items_in_batch`` (the GLOBAL count of targets, so the
+        model's loss is this rank's share of the global mean); ``ring_context`` (a
+        ``RingContext`` for the attention function); and the ``extra_keys``.
+        S need not divide W: padding slots get token 0 and no target.
+
+    Raises:
+        TypeError, ValueError: a missing or misshapen ``input_ids``, inconsistent shapes,
+            bad documents; on every rank.
+    """
+    pg = resolve_group(group)
+    ids = batch.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise ValueError("batch['input_ids'] must be a [B, S] tensor")
+    b, s = ids.shape
+    for key in ("labels", "attention_mask", "position_ids", *extra_keys):
+        t = batch.get(key)
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape[:2]) != (b, s)):
+            raise ValueError(f"batch[{key!r}] must be a tensor of shape [B={b}, S={s}, ...]")
+    cu = _documents(batch, s)
+    kw = dict(group=pg, layout=layout, seqlen=s, dim=1, cu_seqlens=cu)
+    pos_local = positions(s, group=pg, layout=layout, cu_seqlens=cu)
+    global_pos = pos_local[0] if cu is not None else pos_local
+    real = global_pos < s  # local slots holding tokens (the rest pad S up to W shards)
+    local = {"input_ids": shard(ids, **kw)}
+    if batch.get("position_ids") is not None:
+        local["position_ids"] = shard(batch["position_ids"], **kw)
+    elif cu is not None:  # RoPE restarts in every document
+        local["position_ids"] = pos_local[1].to(ids.device).expand(b, -1)
+    else:
+        local["position_ids"] = shard(torch.arange(s, device=ids.device).expand(b, s), **kw)
+    keep = batch.get("attention_mask")
+    if batch.get("labels") is not None:
+        labels = batch["labels"]
+        shifted = torch.full_like(labels, ignore_index)
+        shifted[:, :-1] = labels[:, 1:]
+        if keep is not None:  # no target is padding, and no padding token has a target
+            shifted[:, :-1].masked_fill_(keep[:, 1:] == 0, ignore_index)
+            shifted.masked_fill_(keep == 0, ignore_index)
+        if cu is not None:  # a document's last token has no target in the next document
+            shifted[:, [c - 1 for c in cu[1:]]] = ignore_index
+        shifted_local = shard(shifted, **kw).masked_fill(~real.to(ids.device), ignore_index)
+        local["labels"] = local["shift_labels"] = shifted_local
+        local["num_items_in_batch"] = (shifted != ignore_index).sum()
+    for key in extra_keys:
+        local[key] = shard(batch[key], **kw)
+    mask = None
+    if keep is not None and bool((keep == 0).any()):
+        real_keys = keep.to(torch.bool)
+        mask = from_function(lambda bb, h, q, kv: real_keys[bb, kv])
+    local["ring_context"] = RingContext(pg, layout, s, cu, mask)
+    return local
+
+
+def all_reduce_metrics(metrics: dict, group=None) -> dict:
+    """Global means of per-rank (sum, count) pairs, with one all-reduce.
+
+    Arguments:
+        metrics: ``{name: (sum, count)}`` of this rank's tokens, e.g.
+            ``{"loss": (loss_sum, n_tokens), "accuracy": (n_correct, n_tokens)}``
+            (numbers or 0-d tensors).
+        group: the group to reduce over (e.g. the context-parallel group).
+
+    Returns:
+        ``{name: global sum / global count}`` as Python floats (nan where the count is 0).
+    """
+    pg = resolve_group(group)
+    names = list(metrics)
+    flat = torch.tensor([float(x) for n in names for x in metrics[n]], dtype=torch.float64,
+                        device=metadata_device(pg))
+    dist.all_reduce(flat, group=pg)
+    flat = flat.cpu().view(len(names), 2)
+    return {n: float(flat[i, 0] / flat[i, 1]) if flat[i, 1] != 0 else float("nan")
+            for i, n in enumerate(names)}
