@@ -1,0 +1,59 @@
+"""``ringattn.train`` as users start it: under torchrun on a text file, and ``ringattn train``.
+
+Under torchrun (2 gloo ranks, byte-level tokens of a text file, S = 37 which 2 does not
+divide) the per-step losses must equal the same model trained in one process with
+transformers' "eager" attention within 1e-5 relative: three steps, before training can
+amplify float32 rounding (~1e-7) by much.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ringattn import cli
+from ringattn.train import TrainConfig, train
+
+pytest.importorskip("transformers")
+
+TEXT = b"It was the best of times, it was the worst of times, it was the age of wisdom. " * 8
+ARGS = ["--steps", "3", "--seqlen", "37", "--batch", "2", "--no-progress"]
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_on_text_equals_one_process(tmp_path):
+    data = tmp_path / "text.txt"
+    data.write_bytes(TEXT)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "ringattn.train", "--data", str(data), "--out", str(out), *ARGS]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    got = json.loads((out / "train.json").read_text())
+    assert got["world"] == 2 and got["attn"] == "ringattn" and got["config"]["data"] == str(data)
+    assert len(got["peak_rss_mib"]) == 2 and (out / "loss.png").stat().st_size > 10_000
+    cfg = TrainConfig(steps=3, seqlen=37, batch=2, data=str(data))
+    want = train(cfg, attn_implementation="eager", progress=False)["loss"]
+    for step, (a, b) in enumerate(zip(got["loss"], want, strict=True)):
+        assert abs(a - b) <= 1e-5 * abs(b), (step, a, b)
+
+
+def test_cli_train_one_process(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli.main(["train", "--attn", "sdpa", "--out", str(out), *ARGS]) == 0
+    got = json.loads((out / "train.json").read_text())
+    assert got["world"] == 1 and got["attn"] == "sdpa" and len(got["loss"]) == 3
+    assert "final loss" in capsys.readouterr().out
+
+
+def test_cli_train_rejects_bad_options(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", "--data", str(tmp_path / "missing.txt"), *ARGS])
+    assert exc.value.code == 2
+    assert "missing.txt" in capsys.readouterr().err
