@@ -84,14 +84,16 @@ def shard_batch(batch: dict, *, group=None, layout: str = "zigzag", extra_keys=(
         given, ``labels`` and ``shift_labels`` [B, L] (the target of each local token,
         taken from the global sequence: padding, document ends and the last token get
         ``ignore_index``; so does a padding token followed by a real one, whose prediction
-        transformers counts although it attends to padding only) and ``num_items_in_batch`` (the GLOBAL count of targets, so the
-        model's loss is this rank's share of the global mean); ``ring_context`` (a
-        ``RingContext`` for the attention function); and the ``extra_keys``.
+        transformers counts although it attends to padding only) and
+        ``num_items_in_batch`` (the GLOBAL count of targets, so the model's loss is this
+        rank's share of the global mean); ``ring_context`` (a ``RingContext`` for the
+        attention function); and the ``extra_keys``.
         S need not divide W: padding slots get token 0 and no target.
 
     Raises:
-        TypeError, ValueError: a missing or misshapen ``input_ids``, inconsistent shapes,
-            bad documents; on every rank.
+        ValueError: a missing or misshapen ``input_ids``, inconsistent shapes, bad
+            documents (the batch is the same on every rank, so every rank raises; shapes
+            that differ between ranks are caught by ``shard``'s agreement check).
     """
     pg = resolve_group(group)
     ids = batch.get("input_ids")
