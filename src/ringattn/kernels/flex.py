@@ -29,6 +29,8 @@ this kernel supports CUDA only.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from ..masks import Band, BlockMask
@@ -38,26 +40,27 @@ try:  # torch >= 2.9 asks for the LSE through AuxRequest; older releases take re
 except ImportError:  # pragma: no cover - depends on the torch release
     _AuxRequest = None
 
-_compiled = None
+@lru_cache(maxsize=1)
+def _compiled_flex():
+    """flex_attention compiled once per process (compiling on first use, not at import)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _flex(q, k, v, block_mask, scale):
-    """flex_attention (compiled once) on [B, H, S, D] tensors -> (out, lse)."""
-    global _compiled
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if _compiled is None:
-        _compiled = torch.compile(flex_attention, dynamic=False)
+    """Compiled flex_attention on [B, H, S, D] tensors -> (out, lse)."""
+    compiled = _compiled_flex()
     gqa = q.shape[1] != k.shape[1]
     if _AuxRequest is not None:
-        out, aux = _compiled(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+        out, aux = compiled(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
                              return_aux=_AuxRequest(lse=True))
         return out, aux.lse
-    return _compiled(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
-                     return_lse=True)
+    return compiled(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                    return_lse=True)
 
 
-def _mask_mod(mask, nq: int, nk: int, device):
+def _mask_mod(mask, device):
     """A flex mask_mod for a Band or a BlockMask over block-local rows and columns."""
     if isinstance(mask, Band):
         lo, hi = mask.lo, mask.hi
@@ -126,12 +129,12 @@ def _from_tiles(mask: BlockMask, nq: int, nk: int, device):
             return bits[tile_id[i // t, j // t], torch.minimum(b, b_max),
                         torch.minimum(h, h_max), i % t, j % t]
     else:  # partial tiles too many to keep: evaluate the user's mask inside the kernel
-        mod = _mask_mod(mask, nq, nk, device)
+        mod = _mask_mod(mask, device)
     return FlexBlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=t,
                                         mask_mod=mod, seq_lengths=(nq, nk))
 
 
-def _block_mask(mask, b: int, h: int, nq: int, nk: int, device):
+def _block_mask(mask, nq: int, nk: int, device):
     if mask is None:
         return None
     from torch.nn.attention.flex_attention import create_block_mask
@@ -143,7 +146,7 @@ def _block_mask(mask, b: int, h: int, nq: int, nk: int, device):
     if isinstance(mask, BlockMask) and mask.tile_kinds is not None:
         bm = _from_tiles(mask, nq, nk, device)
     else:
-        bm = create_block_mask(_mask_mod(mask, nq, nk, device), None, None, nq, nk, device=device)
+        bm = create_block_mask(_mask_mod(mask, device), None, None, nq, nk, device=device)
     if cache is not None:
         cache[key] = bm
     return bm
@@ -159,14 +162,12 @@ class FlexKernel:
         return device.type == "cuda" and dtype in (torch.float32, torch.bfloat16, torch.float16)
 
     def forward(self, q, k, v, scale: float, mask):
-        b, sq, h, _ = q.shape
-        bm = _block_mask(mask, b, h, sq, k.shape[1], q.device)
+        bm = _block_mask(mask, q.shape[1], k.shape[1], q.device)
         out, lse = _flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bm, scale)
         return out.transpose(1, 2), lse.float()
 
     def backward(self, dout, q, k, v, out, lse, scale: float, mask):
-        b, sq, h, _ = q.shape
-        bm = _block_mask(mask, b, h, sq, k.shape[1], q.device)
+        bm = _block_mask(mask, q.shape[1], k.shape[1], q.device)
         with torch.enable_grad():
             q_, k_, v_ = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
             out_b, lse_b = _flex(q_, k_, v_, bm, scale)

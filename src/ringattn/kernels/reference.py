@@ -49,14 +49,14 @@ class ReferenceKernel:
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return dtype.is_floating_point
 
-    def forward(self, q, k, v, scale: float, mask: Band | None):
+    def forward(self, q, k, v, scale: float, mask: Band | BlockMask | None):
         acc = accumulator_dtype(q.dtype)
         _, _, p, lse_BHS = _probs(q, k, scale, mask)
         v_BHSD = _expand_kv(v, q.shape[2] // k.shape[2], acc)
         out_BSHD = (p @ v_BHSD).transpose(1, 2)
         return out_BSHD.to(q.dtype), lse_BHS.to(acc)
 
-    def backward(self, dout, q, k, v, out, lse, scale: float, mask: Band | None):
+    def backward(self, dout, q, k, v, out, lse, scale: float, mask: Band | BlockMask | None):
         acc = accumulator_dtype(q.dtype)
         b, sk, hkv, d = k.shape
         groups = q.shape[2] // hkv

@@ -41,6 +41,8 @@ def _additive(ok: torch.Tensor, dtype) -> torch.Tensor:
     wide = -(-n // _BIAS_ALIGN) * _BIAS_ALIGN
     bias = torch.zeros(*ok.shape[:-1], wide, dtype=dtype, device=ok.device)[..., :n]
     return bias.masked_fill_(~ok, float("-inf"))
+
+
 def _cpu_fwd(q, k, v, causal, mask, scale):
     return _aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, causal, attn_mask=mask, scale=scale
@@ -56,6 +58,12 @@ def _cpu_bwd(dout, q, k, v, out, lse, causal, mask, scale):
 def _expand_heads(x_BHSD: torch.Tensor, heads: int) -> torch.Tensor:
     groups = heads // x_BHSD.shape[1]
     return x_BHSD if groups == 1 else x_BHSD.repeat_interleave(groups, dim=1)
+
+
+def _fold_heads(x_BHSD: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Sum the gradients of the query heads that share a kv head (undoes _expand_heads)."""
+    b, h = x_BHSD.shape[:2]
+    return x_BHSD if h == kv_heads else x_BHSD.reshape(b, kv_heads, h // kv_heads, *x_BHSD.shape[2:]).sum(2)
 
 
 # The CUDA efficient-attention op pads its LSE to a multiple of this many rows.
@@ -100,10 +108,7 @@ def _cuda_bwd(dout, q, k, v, out, lse, causal, mask, scale):
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
             dout, q, _expand_heads(k, h), _expand_heads(v, h), out, lse.contiguous(), cum_q,
             cum_k, sq, k.shape[2], 0.0, causal, seed, offset, scale=scale)
-        if hkv != h:
-            dk = dk.reshape(b, hkv, h // hkv, *dk.shape[2:]).sum(2)
-            dv = dv.reshape(b, hkv, h // hkv, *dv.shape[2:]).sum(2)
-        return dq, dk, dv
+        return dq, _fold_heads(dk, hkv), _fold_heads(dv, hkv)
     bias = None if mask is None else mask.expand(b, h, *mask.shape[-2:])
     pad = -sq % _LSE_ALIGN
     lse_padded = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
@@ -112,10 +117,7 @@ def _cuda_bwd(dout, q, k, v, out, lse, causal, mask, scale):
         dout, q, _expand_heads(k, h), _expand_heads(v, h), bias, out, lse_padded.contiguous(),
         empty, empty, 0.0, [True, True, True, False], causal, scale=scale,
     )
-    if hkv != h:
-        dk = dk.reshape(b, hkv, h // hkv, *dk.shape[2:]).sum(2)
-        dv = dv.reshape(b, hkv, h // hkv, *dv.shape[2:]).sum(2)
-    return dq, dk, dv
+    return dq, _fold_heads(dk, hkv), _fold_heads(dv, hkv)
 
 
 class SdpaKernel:
@@ -165,10 +167,10 @@ class SdpaKernel:
         for rows, cols, causal, ok in calls:
             o, l = self._fwd(q_[:, :, rows], k_[:, :, cols], v_[:, :, cols], causal,
                              _additive(ok, q.dtype), scale)
-            dead = ~ok.any(-1)  # rows that see no key: the ops say lse = 0, out = 0 or NaN
-            if bool(dead.any()):
-                l = l.masked_fill(dead, float("-inf"))
-                o = o.masked_fill(dead[..., None], 0.0)
+            # rows that see no key: the ops say lse = 0, out = 0 or NaN (no host sync here)
+            dead = ~ok.any(-1)
+            l = l.masked_fill(dead, float("-inf"))
+            o = o.masked_fill(dead[..., None], 0.0)
             out_BSHD[:, rows] = o.transpose(1, 2)
             lse_BHS[:, :, rows] = l
         return out_BSHD, lse_BHS
