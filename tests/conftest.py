@@ -22,6 +22,7 @@ def worst_errors(request):
 def pytest_terminal_summary(terminalreporter, config):
     worst = config.stash.get(_WORST, {})
     if worst:
-        terminalreporter.section("worst relative errors vs the float64 reference (all ranks)")
+        terminalreporter.section("worst relative errors, all ranks (attention: vs float64; "
+                                 "HF model, Trainer: vs the same model in one process)")
         for (dtype, name), (err, tol) in sorted(worst.items()):
             terminalreporter.write_line(f"{dtype:9s} {name:4s} {err:.2e}  (bound {tol:.2e})")

@@ -22,12 +22,17 @@ def _run(cmd, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_ring_trainer_under_torchrun_matches_one_process(tmp_path):
+def test_ring_trainer_under_torchrun_matches_one_process(tmp_path, worst_errors):
     _run([sys.executable, str(RUN), "--ref", "--out", str(tmp_path / "ref.json")], tmp_path)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     _run([*torchrun, str(RUN), "--out", str(tmp_path / "cp.json")], tmp_path)
-    ref = json.loads((tmp_path / "ref.json").read_text())
-    cp = json.loads((tmp_path / "cp.json").read_text())
-    assert len(ref) == len(cp) == 4
-    for step, (a, b) in enumerate(zip(cp, ref)):
-        assert abs(a - b) <= 1e-5 * abs(b), (step, a, b)  # measured: 2e-7 relative
+    ref = json.loads((tmp_path / "ref.json.0").read_text())
+    assert len(ref) == 4
+    for rank in range(2):  # every rank logs the global loss
+        cp = json.loads((tmp_path / f"cp.json.{rank}").read_text())
+        assert len(cp) == len(ref), (rank, cp)
+        for step, (a, b) in enumerate(zip(cp, ref)):
+            err = abs(a - b) / abs(b)
+            key = ("Trainer", "loss")  # printed in make test's summary of worst errors
+            worst_errors[key] = (max(worst_errors.get(key, (0.0, 1e-5))[0], err), 1e-5)
+            assert err <= 1e-5, (rank, step, a, b)

@@ -1,5 +1,6 @@
 """Run by tests/integration/test_trainer.py: a few HF Trainer steps of a tiny Llama, either
-plain in one process (``--ref``) or as RingTrainer under torchrun; writes the logged losses."""
+plain in one process (``--ref``) or as RingTrainer under torchrun; every process writes the
+losses it logged to ``<out>.<process index>``."""
 
 import argparse
 import json
@@ -52,8 +53,7 @@ def main():
         trainer = RingTrainer(model=model, args=targs, train_dataset=Rows(), layout="zigzag")
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    if trainer.args.process_index == 0:
-        Path(args.out).write_text(json.dumps(losses))
+    Path(f"{args.out}.{trainer.args.process_index}").write_text(json.dumps(losses))
 
 
 if __name__ == "__main__":
