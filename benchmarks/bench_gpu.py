@@ -112,6 +112,21 @@ def main():
 
         bm = create_block_mask(doc_causal, None, None, s, s, device="cuda")
         t_flex = bench(lambda: flex(qt, kt, vt, block_mask=bm, enable_gqa=True), (qt, kt, vt), dot)
+        # forward only: flex with its own mask_mod against flex with the plan's block mask
+        from triton.testing import do_bench
+
+        from ringattn.kernels.flex import _block_mask
+        from ringattn.layouts import get_layout
+        from ringattn.plan import make_plan
+
+        blk = make_plan(get_layout("contiguous"), ra.masks.document(cu) & ra.masks.causal(), 1, 0,
+                        s, batch=b, heads=h, device="cuda", tile=None).steps[0][0]
+        ours = _block_mask(blk.mask, s, s, "cuda")
+        with torch.no_grad():
+            fwd_direct = do_bench(lambda: flex(qt, kt, vt, block_mask=bm, enable_gqa=True),
+                                  warmup=50, rep=200, return_mode="median")
+            fwd_ours = do_bench(lambda: flex(qt, kt, vt, block_mask=ours, enable_gqa=True),
+                                warmup=50, rep=200, return_mode="median")
         dense = (doc[:, None] == doc[None, :]) & torch.ones(s, s, dtype=torch.bool, device="cuda").tril()
         try:
             t_dense = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=dense, enable_gqa=True),
@@ -126,7 +141,8 @@ def main():
                          ratio_ringattn_over_flex=t_ring / t_flex,
                          ratio_ringattn_over_sdpa_dense=t_ring / t_dense,
                          ringattn_tflops=flops(pairs, h, d) / t_ring / 1e9,
-                         first_call_ms=first_ms, cached_call_ms=cached_ms))
+                         first_call_ms=first_ms, cached_call_ms=cached_ms,
+                         flex_fwd_own_mask_ms=fwd_direct, flex_fwd_plan_block_mask_ms=fwd_ours))
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
     # per-call host cost: at S=512 the GPU work is tiny, so fwd+bwd time is launch overhead
