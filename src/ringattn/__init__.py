@@ -15,7 +15,7 @@ Example (every rank runs this; ``pg`` is a process group of W ranks)::
     out = ra.unshard(out_l, group=pg, layout="zigzag", seqlen=S)  # [1, S, 8, 64]
 """
 
-from . import kernels, layouts, masks, plan
+from . import eagle3, kernels, layouts, masks, plan
 from .api import ring_attention
 from .batch import RingContext, all_reduce_metrics, shard_batch
 from .merge import merge
@@ -26,6 +26,7 @@ __all__ = [
     "AttnSpec",
     "RingContext",
     "all_reduce_metrics",
+    "eagle3",
     "kernels",
     "layouts",
     "masks",

@@ -292,19 +292,47 @@ def ring_attention(
         TypeError, ValueError: on bad input or when ranks disagree on shapes or options; the
             same error is raised on every rank, before any ring communication.
     """
+    ring = build_ring(
+        q, k, v, group=group, causal=causal, window_size=window_size,
+        softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask,
+        cu_seqlens=cu_seqlens, return_lse=return_lse, kernel=kernel,
+        backward_overlap=backward_overlap,
+    )
+    q, k, v = unit_stride(q, k, v)
+    out, lse = _RingAttention.apply(q, k, v, ring, bool(return_lse))
+    return (out, lse) if return_lse else out
+
+
+def unit_stride(*tensors):
+    """Kernels need unit stride on the head dim (views of a fused qkv projection may not
+    have it)."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
+
+
+def build_ring(q, k, v, *, group, causal, window_size, softmax_scale, layout, seqlen, mask,
+               cu_seqlens, return_lse, kernel, backward_overlap, extra_fields=(),
+               extra_check=None) -> Ring:
+    """Validate every rank's inputs, agree on them in one metadata all-gather, plan the ring.
+
+    ``extra_check`` (optional) runs inside the validation: it checks a caller's own inputs
+    and returns ints for ``extra_fields`` (in that order) that every rank must agree on too
+    (e.g. Eagle3's step count), or raises TypeError/ValueError, which every rank reports.
+
+    Raises:
+        TypeError, ValueError: the same error on every rank, before any ring communication.
+    """
     pg = resolve_group(group)
     comm = RingComm(pg)
-    error, fields = None, dict.fromkeys(_FIELD_NAMES, -1)
+    error, fields = None, dict.fromkeys(_FIELD_NAMES + tuple(extra_fields), -1)
     try:
-        spec, plan, kern, fields = _check_local(
+        extra = () if extra_check is None else tuple(extra_check())
+        spec, plan, kern, checked = _check_local(
             q, k, v, comm, causal, window_size, softmax_scale, layout, seqlen, mask,
             cu_seqlens, kernel, backward_overlap, return_lse, pg,
         )
+        checked.update(zip(extra_fields, extra, strict=True))
+        fields = checked
     except (TypeError, ValueError) as exc:  # reported on every rank by agree() below
         error = exc
     last = agree(pg, fields, error, _describe, reduce=("last_step",))["last_step"]
-    ring = Ring(comm, spec, plan, kern, last + 1, backward_overlap)
-    # kernels need unit stride on the head dim (views of a fused qkv projection may not have it)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out, lse = _RingAttention.apply(q, k, v, ring, bool(return_lse))
-    return (out, lse) if return_lse else out
+    return Ring(comm, spec, plan, kern, last + 1, backward_overlap)

@@ -27,6 +27,7 @@ __all__ = [
     "sliding_window",
     "document",
     "prefix_lm",
+    "key_padding",
     "dilated",
     "from_function",
     "full",
@@ -376,6 +377,36 @@ def prefix_lm(prefix_len) -> Mask:
     if bool((t < 0).any()):
         raise ValueError(f"prefix_len must be >= 0, got {t.tolist()}")
     return _PrefixLM(tuple(t.tolist()))
+
+
+class _KeyPadding(Mask):
+    def __init__(self, valid_len: tuple[int, ...]):
+        self.valid_len = valid_len
+        self._t = torch.tensor(valid_len, dtype=torch.int64)
+
+    def key(self):
+        return ("key_padding", self.valid_len)
+
+    def __call__(self, b, h, q, kv):
+        return kv < self._t.to(kv.device)[b]
+
+    def __repr__(self):
+        return f"key_padding({list(self.valid_len)})"
+
+
+def key_padding(valid_len) -> Mask:
+    """Right padding: in batch row b only the keys kv < valid_len[b] are real.
+
+    And it with ``causal()`` for a padded causal batch. Equal lengths give equal masks, so
+    a new mask object per batch reuses the plan of an earlier batch with the same lengths.
+
+    Arguments:
+        valid_len: [B] ints (a list or a 1-D integer tensor), each >= 0.
+    """
+    t = _int_tensor(valid_len, "valid_len")
+    if bool((t < 0).any()):
+        raise ValueError(f"valid_len must be >= 0, got {t.tolist()}")
+    return _KeyPadding(tuple(t.tolist()))
 
 
 class _Dilated(Mask):

@@ -43,8 +43,9 @@ class Ring:
         return self.plan.steps[step]
 
 
-def ring_forward(q_BLHD, k_BLHD, v_BLHD, ring: Ring):
-    """Return (out [B, L, H, D] in q's dtype, lse [B, H, L] float32/float64)."""
+def ring_forward(q_BLHD, k_BLHD, v_BLHD, ring: Ring, keep_accumulator: bool = False):
+    """Return (out [B, L, H, D] in q's dtype, lse [B, H, L] float32/float64); out stays in
+    the accumulator dtype with ``keep_accumulator`` (for callers that merge more keys in)."""
     b, n, h, d = q_BLHD.shape
     acc = accumulator_dtype(q_BLHD.dtype)
     steps, scale = ring.steps, ring.spec.softmax_scale
@@ -68,7 +69,7 @@ def ring_forward(q_BLHD, k_BLHD, v_BLHD, ring: Ring):
             written.append((blk.q_start, blk.q_stop))
         if hop is not None:
             kv, spare = hop.wait(), kv
-    return out_BLHD.to(q_BLHD.dtype), lse_BHL
+    return (out_BLHD if keep_accumulator else out_BLHD.to(q_BLHD.dtype)), lse_BHL
 
 
 BACKWARD_OVERLAP = ("all", "kv", "none")
