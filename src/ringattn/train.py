@@ -468,14 +468,14 @@ def write_outputs(result: dict, out_dir: str) -> None:
 # ----------------------------------------------------------------------------- processes
 
 
-def _spawned_rank(rank: int, cfg: TrainConfig, world: int, init_file: str, result_path: str,
-                  progress: bool, out_dir: str | None) -> None:
+def _spawned_rank(rank: int, cfg, world: int, init_file: str, result_path: str,
+                  progress: bool, out_dir: str | None, fn) -> None:
     """One rank started by ``spawn`` (the target of ``torch.multiprocessing.spawn``)."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=300))
     try:
-        result = train(cfg, group=dist.group.WORLD, progress=progress, out_dir=out_dir)
+        result = (fn or train)(cfg, group=dist.group.WORLD, progress=progress, out_dir=out_dir)
         if rank == 0:
             with open(result_path, "w") as f:
                 json.dump(result, f)
@@ -483,17 +483,19 @@ def _spawned_rank(rank: int, cfg: TrainConfig, world: int, init_file: str, resul
         dist.destroy_process_group()
 
 
-def spawn(cfg: TrainConfig, *, world: int, progress: bool = True,
-          out_dir: str | None = None) -> dict:
+def spawn(cfg, *, world: int, progress: bool = True, out_dir: str | None = None,
+          fn=None) -> dict:
     """Train under context parallelism on ``world`` local gloo ranks started here.
 
     Arguments:
-        cfg: the configuration.
+        cfg: the configuration of ``fn``.
         world: number of ranks W (each gets cpu_count // W threads, at least 1).
         progress, out_dir: as for ``train``.
+        fn: the importable training function every rank calls as
+            ``fn(cfg, group=WORLD, progress=..., out_dir=...)``; default ``train``.
 
     Returns:
-        rank 0's result of ``train``.
+        rank 0's result of ``fn``.
 
     Raises:
         ValueError: world < 1.
@@ -503,7 +505,7 @@ def spawn(cfg: TrainConfig, *, world: int, progress: bool = True,
         raise ValueError(f"world must be an int >= 1, got {world!r}")
     with tempfile.TemporaryDirectory(prefix="ringattn-train-") as tmp:
         init_file, result_path = os.path.join(tmp, "store"), os.path.join(tmp, "result.json")
-        mp.spawn(_spawned_rank, args=(cfg, world, init_file, result_path, progress, out_dir),
+        mp.spawn(_spawned_rank, args=(cfg, world, init_file, result_path, progress, out_dir, fn),
                  nprocs=world, join=True, start_method="spawn")
         with open(result_path) as f:
             return json.load(f)

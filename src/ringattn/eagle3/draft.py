@@ -1,0 +1,253 @@
+"""The Eagle3 draft model and its TTT training step, one code path with or without CP.
+
+Legend: B batch, L local seq (S without CP), S global seq, H hidden size, V target vocab,
+Vd draft vocab, T TTT steps.
+
+The draft is one Llama decoder layer (transformers' ``LlamaRMSNorm``, ``LlamaMLP``,
+``LlamaRotaryEmbedding``, ``apply_rotary_pos_emb``) whose attention input is
+[norm(token embedding); norm(hidden)] (2H wide), fed at step 0 by ``fc`` of the target's
+three auxiliary hidden states and afterwards by its own previous output. Its head predicts
+the draft vocabulary; ``d2t`` (draft id -> target id offset) and ``t2d`` (target id -> in the
+draft vocabulary) map between the two, as in EAGLE's checkpoints.
+
+The training step (``eagle3_step``), with SpecForge's alignment: at step j the draft at
+index i reads token i + 1 + j, is taught by the target's distribution at position i + 1 + j
+restricted to the draft vocabulary, and counts where loss_mask[i + j] is set and the
+target's top token is in the draft vocabulary. Step j's loss is the soft cross-entropy
+summed over those tokens / (B * S); the total weighs step j by ``decay ** j``. Under CP
+every shift reads across shard boundaries through ``Lookahead``, RoPE uses global positions
++ j, and the attention is ``ttt_attention``; without CP it is ``dense_ttt_attention``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..comm import metadata_device, resolve_group
+from ..sharding import positions, shard
+from .attention import dense_ttt_attention, ttt_attention
+from .shift import Lookahead
+
+__all__ = ["Eagle3Draft", "TargetOutputs", "StepResult", "aux_layer_ids", "draft_vocabulary",
+           "run_target", "eagle3_step"]
+
+
+def aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE3's auxiliary layers (low, middle, high): 1, n // 2 - 1, n - 4, clipped to the
+    model (as indices of ``output_hidden_states``' decoder layers, 0-based)."""
+    return tuple(min(max(i, 0), num_layers - 1) for i in (1, num_layers // 2 - 1, num_layers - 4))
+
+
+def draft_vocabulary(token_ids: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
+    """The ``size`` most frequent target token ids in ``token_ids`` (ties: lower id first),
+    sorted: the draft vocabulary, as EAGLE3 builds it from the training data."""
+    if not 1 <= size <= vocab_size:
+        raise ValueError(f"draft vocabulary size must lie in [1, {vocab_size}], got {size}")
+    counts = torch.bincount(token_ids.flatten().long().cpu(), minlength=vocab_size).double()
+    counts -= torch.arange(vocab_size, dtype=torch.float64) / (2 * vocab_size)  # tie-break
+    return torch.sort(torch.topk(counts, size).indices).values
+
+
+class Eagle3Draft(nn.Module):
+    """One-layer Eagle3 draft.
+
+    Arguments:
+        config: a transformers ``LlamaConfig`` for the draft layer (hidden_size,
+            num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
+            rms_norm_eps, rope parameters); ``vocab_size`` is the TARGET's vocabulary.
+        target_hidden_size: width of each of the target's three auxiliary hidden states.
+        draft_ids: [Vd] sorted target ids of the draft vocabulary.
+    """
+
+    def __init__(self, config, target_hidden_size: int, draft_ids: torch.Tensor):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import (
+            LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
+        )
+
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or h // self.heads
+        draft_ids = torch.as_tensor(draft_ids, dtype=torch.long)
+        self.register_buffer("d2t", draft_ids - torch.arange(draft_ids.numel()))
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[draft_ids] = True
+        self.register_buffer("t2d", t2d)
+        self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
+        self.fc = nn.Linear(3 * target_hidden_size, h, bias=False)
+        self.input_layernorm = LlamaRMSNorm(h, eps=eps)
+        self.hidden_norm = LlamaRMSNorm(h, eps=eps)
+        self.q_proj = nn.Linear(2 * h, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * h, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * h, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.post_attention_layernorm = LlamaRMSNorm(h, eps=eps)
+        self.mlp = LlamaMLP(config)
+        self.norm = LlamaRMSNorm(h, eps=eps)
+        self.lm_head = nn.Linear(h, draft_ids.numel(), bias=False)
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """[Vd] target id of every draft token."""
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+
+    def layer(self, embeds_BLH, hidden_BLH, position_ids_BL, cache, attend):
+        """One TTT step of the decoder layer; appends this step's K/V to ``cache``."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        b, n, _ = hidden_BLH.shape
+        x = torch.cat([self.input_layernorm(embeds_BLH), self.hidden_norm(hidden_BLH)], dim=-1)
+        q = self.q_proj(x).view(b, n, self.heads, self.head_dim)
+        k = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim)
+        cos, sin = self.rotary_emb(x, position_ids_BL)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+        cache[0].append(k)
+        cache[1].append(v)
+        attn = attend(q, cache[0], cache[1])
+        hidden = hidden_BLH + self.o_proj(attn.reshape(b, n, -1))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def logits(self, hidden_BLH):
+        return self.lm_head(self.norm(hidden_BLH))
+
+
+@dataclass
+class TargetOutputs:
+    """What the draft learns from, for this rank's tokens (all [B, L, ...])."""
+
+    aux_hidden: torch.Tensor
+    """[B, L, 3 H_target]: the three auxiliary hidden states, concatenated."""
+    logits: torch.Tensor
+    """[B, L, V]: the target's logits."""
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    """[B, L] global positions (RoPE)."""
+    valid_len: tuple[int, ...] | None
+    """Right padding: row b's real tokens are [0, valid_len[b]); None without padding."""
+    seqlen: int
+    layout: str
+    group: object
+    """The CP group (None: one process)."""
+
+
+def _valid_len(attention_mask):
+    if attention_mask is None:
+        return None
+    keep = attention_mask.to(torch.bool)
+    n = keep.sum(1)
+    right = torch.arange(keep.shape[1], device=keep.device)[None, :] < n[:, None]
+    if not bool((keep == right).all()):
+        raise ValueError("Eagle3 batches must be right padded: every attention_mask row must "
+                         "be ones followed by zeros")
+    return None if bool(keep.all()) else tuple(int(x) for x in n.tolist())
+
+
+@torch.no_grad()
+def run_target(target, batch: dict, *, group=None, layout: str = "zigzag",
+               aux_layers=None) -> TargetOutputs:
+    """Run the target on a global batch (the same on every CP rank) and keep this rank's
+    share of what the draft needs. Under CP the target runs context-parallel through the
+    transformers integration (``attn_implementation="ringattn"``); alone, as it is.
+
+    Arguments:
+        batch: ``input_ids`` [B, S]; optional ``attention_mask`` [B, S] (right padding) and
+            ``loss_mask`` [B, S] (default: the attention mask, or all ones).
+        aux_layers: three decoder-layer indices; default ``aux_layer_ids``.
+    """
+    from ..batch import shard_batch
+
+    ids = batch["input_ids"]
+    b, s = ids.shape
+    valid = _valid_len(batch.get("attention_mask"))
+    loss_mask = batch.get("loss_mask")
+    if loss_mask is None:
+        loss_mask = batch.get("attention_mask", torch.ones_like(ids))
+    layers = aux_layers or aux_layer_ids(target.config.num_hidden_layers)
+    if group is None:
+        out = target(input_ids=ids, attention_mask=batch.get("attention_mask"),
+                     output_hidden_states=True)
+        local_ids, lm = ids, loss_mask
+        pos = torch.arange(s, device=ids.device).expand(b, s)
+    else:
+        local = shard_batch({"input_ids": ids, "attention_mask": batch.get("attention_mask")},
+                            group=group, layout=layout)
+        out = target(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                     ring_context=local["ring_context"], output_hidden_states=True)
+        local_ids = local["input_ids"]
+        lm = shard(loss_mask, group=group, layout=layout, seqlen=s)
+        pos = positions(s, group=group, layout=layout, device=ids.device).expand(b, -1)
+    aux = torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1)
+    return TargetOutputs(aux, out.logits, local_ids, lm, pos, valid, s, layout, group)
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor
+    """This rank's share of sum_j decay**j loss_j (the CP group's sum is the whole loss)."""
+    losses: list[float]
+    """Global per-step losses (over the CP group)."""
+    accuracies: list[float]
+    """Global per-step accuracies (over the CP group; nan where nothing counts)."""
+    sums: torch.Tensor
+    """[3, T] float64 global (loss, correct, counted) sums, for reducing over DP too."""
+
+
+def eagle3_step(draft: Eagle3Draft, tgt: TargetOutputs, *, steps: int = 7,
+                decay: float = 0.8) -> StepResult:
+    """The TTT forward of one batch: per-step losses and accuracies, the loss to backward.
+
+    One process (``tgt.group`` None) uses the dense TTT mask; under CP, ``ttt_attention``.
+    The diagonal keys never leave their rank; every shift of inputs, teacher and masks reads
+    across shard boundaries (``Lookahead``: one all_to_all per tensor per batch).
+    """
+    if not isinstance(steps, int) or not 1 <= steps <= 64:
+        raise ValueError(f"steps must be an int in [1, 64], got {steps!r}")
+    b = tgt.input_ids.shape[0]
+    ahead = Lookahead(group=tgt.group, layout=tgt.layout, seqlen=tgt.seqlen, width=steps)
+    draft_ids = draft.draft_ids
+    teacher = torch.softmax(tgt.logits[..., draft_ids].float(), dim=-1)  # [B, L, Vd]
+    in_vocab = draft.t2d[tgt.logits.argmax(-1)]
+    ext_teacher = ahead.extend(teacher)
+    ext_in_vocab = ahead.extend(in_vocab, False)
+    ext_loss_mask = ahead.extend(tgt.loss_mask.to(torch.bool), False)
+    ext_ids = ahead.extend(tgt.input_ids)
+    if tgt.group is None:
+        def attend(q, keys, values):
+            return dense_ttt_attention(q, keys, values, valid_len=tgt.valid_len)
+    else:
+        def attend(q, keys, values):
+            return ttt_attention(q, keys, values, group=tgt.group, layout=tgt.layout,
+                                 seqlen=tgt.seqlen, valid_len=tgt.valid_len)
+    hidden = draft.fc(tgt.aux_hidden.to(draft.fc.weight.dtype))
+    cache: tuple[list, list] = ([], [])
+    total = hidden.new_zeros(())
+    sums = torch.zeros(3, steps, dtype=torch.float64)
+    for j in range(steps):
+        embeds = draft.embed_tokens(ahead.take(ext_ids, 1 + j)).to(hidden.dtype)
+        hidden = draft.layer(embeds, hidden, tgt.position_ids + j, cache, attend)
+        logits = draft.logits(hidden).float()
+        target_p = ahead.take(ext_teacher, 1 + j)
+        counted = ahead.take(ext_loss_mask, j)
+        active = ahead.take(ext_in_vocab, 1 + j) & counted
+        ce = -(target_p * torch.log_softmax(logits, dim=-1)).sum(-1)
+        loss = (ce * active).sum() / (b * tgt.seqlen)
+        total = total + decay ** j * loss
+        with torch.no_grad():
+            correct = ((logits.argmax(-1) == target_p.argmax(-1)) & active).sum()
+            sums[:, j] = torch.stack([loss.double().cpu(), correct.double().cpu(),
+                                      counted.sum().double().cpu()])
+    if tgt.group is not None:
+        reduced = sums.to(metadata_device(resolve_group(tgt.group)))
+        dist.all_reduce(reduced, group=resolve_group(tgt.group))
+        sums = reduced.cpu()
+    accs = [float(c / n) if n > 0 else float("nan") for c, n in zip(sums[1], sums[2])]
+    return StepResult(total, [float(x) for x in sums[0]], accs, sums)

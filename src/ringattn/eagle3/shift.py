@@ -1,0 +1,107 @@
+"""Per-token values a few positions ahead, across shard boundaries (Eagle3's step shifts).
+
+Legend: B batch, L local seq, S global seq, W world size, R rows received.
+
+Eagle3's step j at index i reads the input token and the teacher of position i + 1 + j. On
+a shard the last positions of every segment (zigzag chunk, contiguous block, or every token
+of a striped shard) need rows that live on other ranks. ``Lookahead`` works out once which
+rows those are, receives them in one ``all_to_all`` per tensor (each rank gets exactly the
+rows it lacks: about ``width`` per segment, independent of S), and then serves any shift
+0 <= k <= width as a local gather, so no chain of tokens loses one at a shard boundary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..comm import resolve_group
+from ..layouts import get_layout, local_positions
+
+__all__ = ["Lookahead"]
+
+
+def _owners(layout, world: int, padded: int, pos: torch.Tensor) -> torch.Tensor:
+    """The rank holding each global position in ``pos`` (all < S)."""
+    owner = torch.full_like(pos, -1)
+    for r in range(world):
+        for seg in layout.segments(r, world, padded):
+            off = pos - seg.global_start
+            hit = (off >= 0) & (off % seg.stride == 0) & (off // seg.stride < seg.length)
+            owner[hit] = r
+    return owner
+
+
+class Lookahead:
+    """Rows at global positions p + k for this rank's positions p, 0 <= k <= ``width``.
+
+    Arguments:
+        group: the context-parallel group, or None for one process holding everything.
+        layout, seqlen: how the sequence was sharded (as for ``ringattn.shard``).
+        width: the largest shift that will be asked for.
+
+    ``extend(x, fill)`` makes the extended rows of a [B, L, ...] tensor (one all_to_all);
+    ``take(ext, k)`` then returns [B, L, ...] whose slot for position p holds x's row for
+    p + k (``fill`` past the end of the sequence and on padding slots).
+    """
+
+    def __init__(self, *, group, layout: str, seqlen: int, width: int):
+        if not isinstance(width, int) or width < 0:
+            raise ValueError(f"width must be an int >= 0, got {width!r}")
+        self.group = None if group is None else resolve_group(group)
+        world = 1 if self.group is None else dist.get_world_size(self.group)
+        rank = 0 if self.group is None else dist.get_rank(self.group)
+        lay = get_layout(layout)
+        self.world, self.seqlen, self.width = world, seqlen, width
+        pos = local_positions(lay, rank, world, seqlen)  # increasing, padding slots >= S
+        self.local_len = pos.numel()
+        real = pos[pos < seqlen]
+        ahead = (real[:, None] + torch.arange(1, width + 1)).flatten()
+        ahead = torch.unique(ahead[ahead < seqlen])
+        need = ahead[~torch.isin(ahead, pos)]
+        owner = _owners(lay, world, lay.padded_len(seqlen, world), need)
+        order = torch.argsort(owner, stable=True)
+        need, owner = need[order], owner[order]
+        self.recv_splits = torch.bincount(owner, minlength=world).tolist()
+        if world > 1:
+            counts = torch.tensor(self.recv_splits, dtype=torch.int64)
+            theirs = torch.empty_like(counts)
+            dist.all_to_all_single(theirs, counts, group=self.group)
+            self.send_splits = theirs.tolist()
+            asked = torch.empty(sum(self.send_splits), dtype=torch.int64)
+            dist.all_to_all_single(asked, need, self.send_splits, self.recv_splits,
+                                   group=self.group)
+            self.send_slots = torch.searchsorted(pos, asked)
+        else:
+            self.send_splits, self.send_slots = [0], torch.zeros(0, dtype=torch.int64)
+        # where position q sits in the extended rows [local slots | received | fill]
+        keys = torch.cat([pos, need])
+        sorted_keys, idx = torch.sort(keys)
+        fill_row = keys.numel()
+        self._index = []
+        for k in range(width + 1):
+            q = pos + k
+            at = torch.searchsorted(sorted_keys, q).clamp(max=max(keys.numel() - 1, 0))
+            found = (pos < seqlen) & (q < seqlen)
+            if keys.numel():
+                found &= sorted_keys[at] == q
+            self._index.append(torch.where(found, idx[at] if keys.numel() else at, fill_row))
+        self.received = need.numel()
+
+    def extend(self, x: torch.Tensor, fill=0) -> torch.Tensor:
+        """[B, L + R + 1, ...]: the local rows, the rows received, one row of ``fill``."""
+        if x.dim() < 2 or x.shape[1] != self.local_len:
+            raise ValueError(f"expected [B, L={self.local_len}, ...], got {tuple(x.shape)}")
+        rows = x.transpose(0, 1)  # [L, B, ...]: all_to_all splits dim 0
+        got = rows.new_empty((self.received, *rows.shape[1:]))
+        if self.world > 1:
+            dist.all_to_all_single(got, rows[self.send_slots.to(x.device)].contiguous(),
+                                   self.recv_splits, self.send_splits, group=self.group)
+        pad = torch.full_like(rows[:1], fill)
+        return torch.cat([rows, got, pad]).transpose(0, 1)
+
+    def take(self, ext: torch.Tensor, k: int) -> torch.Tensor:
+        """[B, L, ...]: the row of position p + k for every local position p."""
+        if not 0 <= k <= self.width:
+            raise ValueError(f"shift {k} is outside [0, width={self.width}]")
+        return ext.index_select(1, self._index[k].to(ext.device))
