@@ -20,7 +20,7 @@ import time
 import traceback
 from datetime import timedelta
 
-__all__ = ["LocalCluster", "RankFailure"]
+__all__ = ["LocalCluster", "RankFailure", "count_collectives"]
 
 
 class RankFailure(AssertionError):
@@ -151,3 +151,60 @@ class LocalCluster:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=10)
+
+
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                "all_gather_object", "all_to_all", "all_to_all_single", "broadcast",
+                "reduce_scatter", "reduce_scatter_tensor", "send", "recv",
+                "batch_isend_irecv", "barrier")
+# isend/irecv stay unwrapped: P2POp accepts only the original functions, and ringattn
+# posts its point-to-point ops through batch_isend_irecv, which is counted.
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """Record every torch.distributed communication call made inside the block.
+
+    Yields a list that fills with ``(name, bytes)``: the function called and the bytes of
+    the tensors it sends (for ``batch_isend_irecv``, of its send ops). The real functions
+    run; they are only wrapped (also where ringattn keeps its own reference to one).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from . import comm
+
+    calls: list[tuple[str, int]] = []
+
+    def size(x):
+        if isinstance(x, torch.Tensor):
+            return x.numel() * x.element_size()
+        if isinstance(x, (list, tuple)):
+            return sum(size(t) for t in x)
+        return 0
+
+    def wrap(name, fn):
+        def counted(*args, **kwargs):
+            if name == "batch_isend_irecv":
+                sent = sum(size(op.tensor) for op in args[0] if op.op.__name__ == "isend")
+            elif name in ("all_gather_into_tensor", "all_gather_single", "all_to_all_single",
+                          "reduce_scatter_tensor"):
+                sent = size(args[1] if len(args) > 1 else kwargs.get("input"))
+            else:
+                sent = size(args[0]) if args else 0
+            calls.append((name, sent))
+            return fn(*args, **kwargs)
+        return counted
+
+    saved = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+    saved_comm = comm._all_gather_single
+    try:
+        for name, fn in saved.items():
+            setattr(dist, name, wrap(name, fn))
+        comm._all_gather_single = wrap("all_gather_single", saved_comm)
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+        comm._all_gather_single = saved_comm
+

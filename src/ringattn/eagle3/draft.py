@@ -186,6 +186,7 @@ def run_target(target, batch: dict, *, group=None, layout: str = "zigzag",
         lm = shard(loss_mask, group=group, layout=layout, seqlen=s)
         pos = positions(s, group=group, layout=layout, device=ids.device).expand(b, -1)
     aux = torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1)
+    layout = layout if group is not None else "contiguous"  # one process: no shard padding
     return TargetOutputs(aux, out.logits, local_ids, lm, pos, valid, s, layout, group)
 
 

@@ -1,0 +1,210 @@
+"""The whole Eagle3 draft step under CP against the single-process step with the dense TTT
+mask (per-step losses, accuracies, every draft gradient); shifts across shard boundaries;
+what crosses the wire; DP x CP training; errors."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringattn as ra
+from ringattn.eagle3.draft import eagle3_step, run_target
+from ringattn.eagle3.shift import Lookahead
+from ringattn.eagle3.train import Eagle3Config, build_draft, build_target, make_batches, train_eagle3
+from ringattn.testing import count_collectives
+from reference import rel_err
+
+FP32_TOL = 1e-5
+
+
+def small_config(**kw):
+    base = dict(seqlen=61, batch=2, ttt_steps=7, vocab=40, draft_vocab=20, hidden=16, heads=4,
+                kv_heads=2, intermediate=32, target_layers=4, pad=9, steps=3)
+    return Eagle3Config(**{**base, **kw})
+
+
+def _models(cfg):
+    cp_target, one_target = build_target(cfg, "ringattn"), build_target(cfg, "sdpa")
+    draft_ids = torch.arange(0, cfg.vocab, 2)[: cfg.draft_vocab]
+    draft = build_draft(cfg, cp_target, draft_ids)
+    return cp_target, one_target, draft, copy.deepcopy(draft)
+
+
+def run_step_vs_one_process(layout, seqlen, ttt_steps):
+    """Rank side: relative differences of the CP step from the one-process dense step."""
+    cfg = small_config(seqlen=seqlen, ttt_steps=ttt_steps, layout=layout)
+    cp_target, one_target, draft, draft_one = _models(cfg)
+    batch = next(make_batches(cfg))
+    group = dist.group.WORLD
+    saved = []
+
+    def pack(t):  # record the shape of every tensor kept for the backward
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        res = eagle3_step(draft, run_target(cp_target, batch, group=group, layout=layout),
+                          steps=ttt_steps)
+    res.loss.backward()
+    total = res.loss.detach().clone()
+    dist.all_reduce(total)
+    grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
+    for g in grads.values():
+        dist.all_reduce(g)  # each rank holds the gradient of its share of the loss
+    one = eagle3_step(draft_one, run_target(one_target, batch), steps=ttt_steps)
+    one.loss.backward()
+    errs = {"total loss": rel_err(total.double(), one.loss.detach().double())}
+    for j in range(ttt_steps):
+        errs[f"loss step {j}"] = abs(res.losses[j] - one.losses[j]) / abs(one.losses[j])
+        errs[f"accuracy step {j}"] = abs(res.accuracies[j] - one.accuracies[j])
+    for n, p in draft_one.named_parameters():
+        if p.requires_grad:
+            errs[f"grad {n}"] = rel_err(grads[n].double(), p.grad.double())
+    # no activation kept for the backward spans the global sequence (striped's halo is
+    # about min(T, W - 1) shards, so the bound applies to the other layouts)
+    biggest = max(max(s) for s in saved if s)
+    return errs, biggest, res.losses
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous", "striped"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_draft_step_equals_one_process(clusters, worst_errors, world, layout):
+    seqlen = 61  # divides neither W nor 2W; one row right padded
+    per_rank = clusters(world).run(run_step_vs_one_process, layout, seqlen, 7, timeout=280)
+    bad = []
+    for rank, (errs, biggest, losses) in enumerate(per_rank):
+        assert all(losses[j] > 0 for j in range(7))
+        for name, err in errs.items():
+            key = ("float32", "eagle3 " + name.split(" ")[0])
+            if key not in worst_errors or err > worst_errors[key][0]:
+                worst_errors[key] = (err, FP32_TOL)
+            if not err <= FP32_TOL:
+                bad.append(f"rank {rank} {name}: {err:.2e}")
+        if layout != "striped" and world == 3:  # B * L = 44 < S (linears flatten B and L)
+            assert biggest < seqlen, f"rank {rank} saved a tensor with a dimension of {biggest}"
+    assert not bad, "\n".join(bad)
+
+
+def run_lookahead(layout, seqlen, width):
+    """Rank side: every shift 0..width of a global tensor, read on shards, is exact."""
+    g = torch.Generator().manual_seed(seqlen)
+    x = torch.randn(2, seqlen, 3, generator=g)
+    ids = torch.randint(100, (2, seqlen), generator=g)
+    ahead = Lookahead(group=dist.group.WORLD, layout=layout, seqlen=seqlen, width=width)
+    ext_x, ext_ids = ahead.extend(ra.shard(x, layout=layout)), ahead.extend(ra.shard(ids, layout=layout), -1)
+    pos = ra.positions(seqlen, layout=layout)
+    for k in range(width + 1):
+        want_x = torch.zeros(2, pos.numel(), 3)
+        want_ids = torch.full((2, pos.numel()), -1)
+        ok = (pos < seqlen) & (pos + k < seqlen)
+        want_x[:, ok] = x[:, pos[ok] + k]
+        want_ids[:, ok] = ids[:, pos[ok] + k]
+        assert torch.equal(ahead.take(ext_x, k), want_x), (layout, k)
+        assert torch.equal(ahead.take(ext_ids, k), want_ids), (layout, k)
+    return ahead.received
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_lookahead_reads_across_shard_boundaries(clusters, world):
+    for layout in ("zigzag", "contiguous", "striped"):
+        for seqlen, width in ((1, 3), (5, 7), (4 * world + 3, 1), (50, 7)):
+            got = clusters(world).run(run_lookahead, layout, seqlen, width, timeout=100)
+            if layout == "zigzag" and seqlen == 50 and world > 1:
+                # rank r needs `width` rows past the end of each of its two chunks, except
+                # past the sequence's end: at most 2 * width rows, independent of S
+                assert max(got) <= 2 * width
+
+
+def run_counted(layout, seqlen):
+    """Rank side: the collectives of ttt_attention (forward + backward) at each TTT step,
+    and of plain causal ring attention with the same padding mask."""
+    g = torch.Generator().manual_seed(0)
+    kw = dict(layout=layout, seqlen=seqlen)
+    valid = [seqlen, seqlen - 4]
+    q = ra.shard(torch.randn(2, seqlen, 4, 8, generator=g), **kw).requires_grad_()
+    ks = [ra.shard(torch.randn(2, seqlen, 2, 8, generator=g), **kw).requires_grad_() for _ in range(7)]
+    vs = [ra.shard(torch.randn(2, seqlen, 2, 8, generator=g), **kw).requires_grad_() for _ in range(7)]
+    per_step = []
+    for j in range(7):
+        with count_collectives() as calls:
+            out = ra.eagle3.ttt_attention(q, ks[: j + 1], vs[: j + 1], valid_len=valid, **kw)
+            out.sum().backward()
+        per_step.append(calls)
+    with count_collectives() as plain:
+        out = ra.ring_attention(q, ks[0], vs[0], causal=True, mask=ra.masks.key_padding(valid), **kw)
+        out.sum().backward()
+    return per_step, plain
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_diagonal_keys_cost_no_communication(clusters, world):
+    """Every TTT step makes exactly the collectives of one causal ring over the step-0 keys:
+    the same calls, the same bytes, whatever the number of cached key sets (the metadata
+    agreement carries one more int64 field: the number of key sets)."""
+    for rank, (per_step, plain) in enumerate(clusters(world).run(run_counted, "zigzag", 8 * world + 3)):
+        assert [n for n, _ in plain].count("all_gather_single") == 1  # the one agreement
+        assert plain[0][0] == "all_gather_single"
+        hops = plain[1:]
+        assert hops and all(n == "batch_isend_irecv" for n, _ in hops)
+        for j, calls in enumerate(per_step):
+            assert calls[0] == ("all_gather_single", plain[0][1] + 8), (rank, j, calls[0])
+            assert calls[1:] == hops, (rank, j, calls, plain)
+
+
+def run_dp_cp(cfg):
+    return train_eagle3(cfg, group=dist.group.WORLD, progress=False)
+
+
+@pytest.mark.timeout(300)
+def test_dp_x_cp_training_equals_one_process(clusters):
+    """dp 2 x cp 2 on 4 ranks, 3 optimizer steps: per-step losses and accuracies equal one
+    process training on both replicas' rows with the dense TTT mask."""
+    cfg = small_config(dp=2, steps=3, ttt_steps=4)
+    per_rank = clusters(4).run(run_dp_cp, cfg, timeout=280)
+    one = train_eagle3(cfg, progress=False)
+    for rank, res in enumerate(per_rank):
+        assert res["cp"] == 2 and res["dp"] == 2
+        for step in range(cfg.steps):
+            assert abs(res["loss"][step] - one["loss"][step]) <= FP32_TOL * one["loss"][step]
+            for j in range(cfg.ttt_steps):
+                assert abs(res["step_accuracy"][j][step] - one["step_accuracy"][j][step]) < 1e-9
+        assert res["shard_ranges"] == [[[0, 16], [48, 61]], [[16, 48]]]
+
+
+def run_bad(case):
+    kw = dict(layout="zigzag", seqlen=9)
+    q = torch.zeros(1, 6, 2, 4)  # S=9 on 2 ranks in zigzag: 6 slots each
+    k = torch.zeros(1, 6, 1, 4)
+    try:
+        if case == "empty":
+            ra.eagle3.ttt_attention(q, [], [], **kw)
+        elif case == "mismatch":
+            ra.eagle3.ttt_attention(q, [k, k], [k], **kw)
+        elif case == "shape":
+            ra.eagle3.ttt_attention(q, [k, torch.zeros(1, 6, 2, 4)], [k, k], **kw)
+        elif case == "valid_len":
+            ra.eagle3.ttt_attention(q, [k], [k], valid_len=[10], **kw)
+        elif case == "steps-differ":
+            n = 1 + dist.get_rank()
+            ra.eagle3.ttt_attention(q, [k] * n, [k] * n, **kw)
+        elif case == "float-valid_len":
+            ra.eagle3.ttt_attention(q, [k], [k], valid_len=torch.tensor([3.0]), **kw)
+    except (TypeError, ValueError) as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_bad_input_raises_on_every_rank(clusters):
+    expect = {"empty": "non-empty", "mismatch": "one length", "shape": "must match keys[0]",
+              "valid_len": "valid_len entries", "steps-differ": "ttt_key_sets",
+              "float-valid_len": "integer tensor"}
+    for case, words in expect.items():
+        got = clusters(2).run(run_bad, case, timeout=100)
+        for rank, res in enumerate(got):
+            assert res is not None, f"{case}: rank {rank} raised nothing"
+            assert words in res[1], (case, rank, res)
