@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo test bench clean
+.PHONY: install demo demo-lm test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,8 +16,13 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# Eagle3 draft training under context parallelism beside one process (demo_out/eagle3.png)
 demo: install
 	$(PY) -m ringattn.cli demo
+
+# the plain causal-LM demo (demo_out/losses.png)
+demo-lm: install
+	$(PY) -m ringattn.cli demo --target lm
 
 test: install
 	$(PY) -m pytest -q tests

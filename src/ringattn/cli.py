@@ -1,4 +1,5 @@
-"""Command line: ``ringattn demo`` (run by ``make demo``) and ``ringattn train``.
+"""Command line: ``ringattn demo`` (run by ``make demo``: Eagle3 draft training; ``--target
+lm`` for the plain LM) and ``ringattn train``.
 
 Also ``python -m ringattn.cli demo|train``; ``ringattn train`` takes the options of
 ``python -m ringattn.train`` and, like it, runs under torchrun too.
@@ -10,6 +11,7 @@ import argparse
 import sys
 
 from . import train
+from .eagle3.train import Eagle3Config
 from .layouts import LAYOUTS
 
 __all__ = ["main"]
@@ -20,22 +22,27 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
-        help="train a transformers LM under ring attention on CPU ranks; check it matches "
-        "one process",
-        description="Train a tiny LlamaForCausalLM (transformers) on a copy task twice from "
-        "one seed: with ring attention on W gloo CPU ranks, and in one process with "
-        "transformers' own attention. Exit 1 if the loss curves differ beyond float32 "
-        "rounding or the model did not learn.",
+        help="train under ring attention on CPU ranks (an Eagle3 draft, or a plain LM); "
+        "check it matches one process",
+        description="Train twice from one seed: under context parallelism on W gloo CPU "
+        "ranks, and in one process. --target eagle3 (default): an Eagle3 draft with 7 TTT "
+        "steps against a tiny transformers Llama target (the one process uses the dense TTT "
+        "mask). --target lm: a tiny LlamaForCausalLM on a copy task. Exit 1 if the curves "
+        "differ beyond float32 rounding or the model did not learn.",
     )
+    demo.add_argument("--target", choices=("eagle3", "lm"), default="eagle3",
+                      help="what to train (default eagle3)")
     demo.add_argument("--world", type=int, default=2, help="number of CPU ranks W (default 2)")
-    demo.add_argument("--steps", type=int, default=train.TrainConfig.steps,
-                      help=f"optimizer steps (default {train.TrainConfig.steps})")
-    demo.add_argument("--seqlen", type=int, default=train.TrainConfig.seqlen,
-                      help=f"sequence length S (default {train.TrainConfig.seqlen})")
+    demo.add_argument("--steps", type=int, default=None,
+                      help=f"optimizer steps (default: eagle3 {Eagle3Config.steps}, "
+                      f"lm {train.TrainConfig.steps})")
+    demo.add_argument("--seqlen", type=int, default=None,
+                      help=f"sequence length S (default: eagle3 {Eagle3Config.seqlen}, "
+                      f"lm {train.TrainConfig.seqlen})")
     demo.add_argument("--layout", choices=sorted(LAYOUTS), default="zigzag",
                       help="token placement on ranks (default zigzag)")
     demo.add_argument("--single-attn", choices=train.SINGLE_ATTN, default="sdpa",
-                      help="attention of the single-process run (default sdpa)")
+                      help="lm: attention of the single-process run (default sdpa)")
     demo.add_argument("--out", default="demo_out", help="output directory (default demo_out/)")
     train.add_arguments(sub.add_parser(
         "train",
@@ -58,11 +65,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         train.run_and_report(args)
         return 0
-    from .demo import run_demo
-
     try:
-        result = run_demo(world=args.world, steps=args.steps, out_dir=args.out,
-                          layout=args.layout, seqlen=args.seqlen, single_attn=args.single_attn)
+        if args.target == "eagle3":
+            from .eagle3.demo import run_eagle3_demo
+
+            result = run_eagle3_demo(
+                world=args.world, steps=args.steps or Eagle3Config.steps, out_dir=args.out,
+                layout=args.layout, seqlen=args.seqlen or Eagle3Config.seqlen)
+            what = "an Eagle3 draft"
+        else:
+            from .demo import run_demo
+
+            result = run_demo(
+                world=args.world, steps=args.steps or train.TrainConfig.steps,
+                out_dir=args.out, layout=args.layout,
+                seqlen=args.seqlen or train.TrainConfig.seqlen, single_attn=args.single_attn)
+            what = "a causal LM"
     except ValueError as exc:
         print(f"ringattn demo: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -71,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"DEMO FAILED: {message}", file=sys.stderr)
         raise SystemExit(1)
     print(
-        f"DEMO PASSED: ring attention on {args.world} ranks matches one process "
-        f"(max relative loss difference {result['max_rel_diff']:.2e} "
+        f"DEMO PASSED: {what} trained under ring attention on {args.world} ranks matches one "
+        f"process (max relative loss difference {result['max_rel_diff']:.2e} "
         f"<= {result['tolerance']:g})"
     )
     return 0

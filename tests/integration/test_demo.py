@@ -54,3 +54,23 @@ def test_demo_rejects_bad_arguments_before_spawning(tmp_path, kwargs, named):
     with pytest.raises(ValueError, match=named):
         run_demo(out_dir=str(tmp_path), verbose=False, **kwargs)
     assert not (tmp_path / "losses.json").exists()
+
+
+@pytest.mark.timeout(180)
+def test_eagle3_demo_ring_matches_single_process(tmp_path):
+    """``make demo``'s job, short: the Eagle3 draft under CP on 2 ranks (S=250: not a
+    multiple of 2W, one row right padded) against one process with the dense TTT mask."""
+    from ringattn.eagle3.demo import REL_TOL as EAGLE3_TOL, run_eagle3_demo
+
+    result = run_eagle3_demo(world=2, steps=12, out_dir=str(tmp_path), verbose=False)
+    assert result["failures"] == []
+    assert len(result["cp_loss"]) == len(result["single_loss"]) == 12
+    assert result["max_rel_diff"] <= EAGLE3_TOL
+    assert result["max_acc_diff"] <= 0.01
+    assert len(result["cp_accuracy"]) == 7 and all(len(a) == 12 for a in result["cp_accuracy"])
+    assert result["cp_loss"][-1] < result["cp_loss"][0]  # the draft is learning
+    assert result["shard_ranges"] == [[[0, 63], [189, 250]], [[63, 189]]]
+    written = json.loads((tmp_path / "eagle3.json").read_text())
+    assert written["cp_loss"] == result["cp_loss"]
+    png = (tmp_path / "eagle3.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000

@@ -1,0 +1,156 @@
+"""The Eagle3 demo: a draft trained under context parallelism trains like one process.
+
+An Eagle3 draft (one Llama decoder layer, 7 TTT steps) is trained online against a tiny
+random-weight transformers ``LlamaForCausalLM`` target, twice from the same seed on the same
+batches (S not divisible by 2W, each batch's last row right padded):
+
+* context-parallel: W gloo ranks; the target runs under ring attention through the
+  transformers integration, the draft under ``ttt_attention``, every step shift reads across
+  shard boundaries;
+* single-process: the whole sequences, the target with transformers' "sdpa" attention and
+  the draft with the dense TTT mask written out.
+
+The demo fails (``result["failures"]``; ``ringattn demo`` exits 1) when the per-step losses
+or accuracies of the two runs differ beyond float32 rounding, or the draft did not learn.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from .train import Eagle3Config, spawn_eagle3, train_eagle3
+
+__all__ = ["REL_TOL", "run_eagle3_demo"]
+
+REL_TOL = 1e-4
+"""Largest allowed relative difference of the two runs' total loss at any optimizer step
+(the same float32 arithmetic in another summation order differs by ~1e-7 per step; AdamW
+steps carry such differences forward, so 1e-4 leaves two orders of headroom while a dropped
+key or token shows at the first step)."""
+
+ACC_TOL = 0.01
+"""Largest allowed difference of a TTT step's accuracy (a fraction) between the runs: a
+near tie of two logits may resolve differently after rounding; 1% of the counted tokens
+is a handful, far from what a wrong shift or mask causes."""
+
+LEARN_RATIO = 1.5
+"""Step-0 accuracy over the last 10 steps must reach this multiple of the first 10's."""
+
+
+def _plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg, world = result["config"], result["world"]
+    steps = range(1, len(result["cp_loss"]) + 1)
+    fig, (ax_loss, ax_acc, ax_diff) = plt.subplots(
+        3, 1, figsize=(8, 9), sharex=True, gridspec_kw={"height_ratios": [2, 2, 1.2]})
+    ax_loss.plot(steps, result["single_loss"], color="tab:blue", lw=3, alpha=0.45,
+                 label="one process (dense TTT mask)")
+    ax_loss.plot(steps, result["cp_loss"], color="tab:blue", lw=1, ls="--",
+                 label=f"ring attention, CP W={world}")
+    ax_loss.set_ylabel("weighted TTT loss")
+    ax_loss.legend()
+    t = cfg["ttt_steps"]
+    for j, color in ((0, "tab:green"), (t - 1, "tab:purple")):
+        ax_acc.plot(steps, result["single_accuracy"][j], color=color, lw=3, alpha=0.45,
+                    label=f"TTT step {j}, one process")
+        ax_acc.plot(steps, result["cp_accuracy"][j], color=color, lw=1, ls="--",
+                    label=f"TTT step {j}, CP W={world}")
+    ax_acc.set_ylabel("draft accuracy")
+    ax_acc.legend(fontsize="small")
+    diffs = [(i, d) for i, d in zip(steps, result["rel_diff"]) if d > 0]
+    if diffs:
+        ax_diff.semilogy(*zip(*diffs), ".", ms=3, color="tab:green",
+                         label="|CP - one process| / one process")
+    ax_diff.set_yscale("log")
+    ax_diff.axhline(result["tolerance"], color="tab:red", ls=":",
+                    label=f"tolerance {result['tolerance']:g}")
+    ax_diff.set_xlabel("optimizer step")
+    ax_diff.set_ylabel("relative difference")
+    ax_diff.legend(loc="upper left", fontsize="small")
+    for ax in (ax_loss, ax_acc, ax_diff):
+        ax.grid(alpha=0.3)
+    ax_loss.set_title(
+        f"Eagle3 draft (transformers Llama target), S={cfg['seqlen']}, {t} TTT steps, "
+        f"layout={cfg['layout']}\nCP on {world} gloo ranks vs one process, same seed and "
+        f"batches", fontsize="medium")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_eagle3_demo(world: int = 2, steps: int = Eagle3Config.steps, out_dir: str = "demo_out",
+                    layout: str = "zigzag", seqlen: int = Eagle3Config.seqlen, *,
+                    verbose: bool = True) -> dict:
+    """Train the draft under CP on ``world`` CPU ranks and in one process; compare.
+
+    Returns:
+        dict with ``config``, ``world``, per-step ``cp_loss``, ``single_loss``,
+        ``rel_diff``, per-TTT-step accuracy lists ``cp_accuracy``/``single_accuracy``,
+        ``max_rel_diff``, ``max_acc_diff``, ``tolerance``, ``shard_ranges``, ``seconds``,
+        ``tokens_per_s``, ``peak_rss_mib`` and ``failures`` (empty on success; the learning
+        check applies to runs of at least 50 steps). Also written to
+        ``out_dir/eagle3.json``, with the plot ``out_dir/eagle3.png``.
+
+    Raises:
+        ValueError: a bad argument, before any process starts.
+    """
+    if not (isinstance(world, int) and not isinstance(world, bool) and world >= 1):
+        raise ValueError(f"world must be an int >= 1, got {world!r}")
+    cfg = Eagle3Config(steps=steps, layout=layout, seqlen=seqlen,
+                       pad=min(Eagle3Config.pad, seqlen // 4))
+    t0 = time.perf_counter()
+    cp = spawn_eagle3(cfg, world=world, progress=verbose)
+    single = train_eagle3(cfg, progress=verbose)
+    rel_diff = [abs(a - b) / abs(b) for a, b in zip(cp["loss"], single["loss"])]
+    acc_diff = max(abs(a - b) for j in range(cfg.ttt_steps)
+                   for a, b in zip(cp["step_accuracy"][j], single["step_accuracy"][j]))
+    worst = max(range(len(rel_diff)), key=rel_diff.__getitem__)
+    n = min(10, max(1, steps // 5))
+    first = sum(cp["step_accuracy"][0][:n]) / n
+    last = sum(cp["step_accuracy"][0][-n:]) / n
+    failures = []
+    if rel_diff[worst] > REL_TOL:
+        failures.append(f"CP loss left the one-process loss: relative difference "
+                        f"{rel_diff[worst]:.3e} at step {worst + 1} > {REL_TOL:g}")
+    if acc_diff > ACC_TOL:
+        failures.append(f"CP accuracy differs from one process by {acc_diff:.3f} > {ACC_TOL}")
+    if steps >= 50 and not last >= LEARN_RATIO * first:
+        failures.append(f"the draft did not learn: step-0 accuracy {first:.3f} -> {last:.3f}, "
+                        f"not {LEARN_RATIO}x")
+    result = {
+        "config": cp["config"], "world": world,
+        "cp_loss": cp["loss"], "single_loss": single["loss"], "rel_diff": rel_diff,
+        "cp_accuracy": cp["step_accuracy"], "single_accuracy": single["step_accuracy"],
+        "cp_step_loss": cp["step_loss"], "single_step_loss": single["step_loss"],
+        "max_rel_diff": rel_diff[worst], "max_rel_diff_step": worst + 1,
+        "max_acc_diff": acc_diff, "tolerance": REL_TOL,
+        "accuracy_step0_first": first, "accuracy_step0_last": last,
+        "shard_ranges": cp["shard_ranges"],
+        "seconds": {"cp": cp["seconds"], "single": single["seconds"],
+                    "total": time.perf_counter() - t0},
+        "tokens_per_s": {"cp": cp["tokens_per_s_mean"], "single": single["tokens_per_s_mean"]},
+        "peak_rss_mib": {"cp": cp["peak_rss_mib"], "single": single["peak_rss_mib"][0]},
+        "failures": failures,
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "eagle3.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    _plot(result, os.path.join(out_dir, "eagle3.png"))
+    if verbose:
+        print(f"{'step':>5}  {'CP loss':>10}  {'one-process':>11}  {'rel diff':>9}  "
+              f"{'acc j=0 CP':>10}  {'acc j=6 CP':>10}")
+        for i in sorted(set(range(0, steps, 10)) | {steps - 1}):
+            print(f"{i + 1:>5}  {cp['loss'][i]:>10.6f}  {single['loss'][i]:>11.6f}  "
+                  f"{rel_diff[i]:>9.2e}  {cp['step_accuracy'][0][i]:>10.3f}  "
+                  f"{cp['step_accuracy'][-1][i]:>10.3f}")
+        print(f"largest relative loss difference {rel_diff[worst]:.2e} (step {worst + 1}), "
+              f"largest accuracy difference {acc_diff:.3f}; step-0 accuracy {first:.3f} -> "
+              f"{last:.3f}; CP {cp['seconds']:.1f}s, one process {single['seconds']:.1f}s; "
+              f"wrote {os.path.join(out_dir, 'eagle3.json')} and eagle3.png")
+    return result
