@@ -199,13 +199,18 @@ def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
     draft = build_draft(cfg, target, _draft_ids(cfg, target, cp_group))
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    ranges = [shard_ranges(cfg.seqlen, cfg.layout, r, cp) for r in range(cp)]
+    # every rank reports the positions it holds; rank 0 prints them in rank order
+    mine = (dp_rank, cp_rank, shard_ranges(cfg.seqlen, cfg.layout, cp_rank, cp))
+    reports = [mine]
+    if group is not None:
+        reports = [None] * world
+        dist.all_gather_object(reports, mine, group=pg)
+    ranges = [runs for d, c, runs in sorted(reports, key=lambda x: x[1]) if d == 0]
     show = progress and rank == 0
     if show:
-        for r in range(world):
-            c = r % cp
-            print(f"rank {r} (dp {r // cp}, cp {c}) holds {_describe_ranges(ranges[c], cfg.seqlen)}"
-                  f" of S={cfg.seqlen}", flush=True)
+        for r, (d, c, runs) in enumerate(reports):
+            print(f"rank {r} (dp {d}, cp {c}) holds {_describe_ranges(runs, cfg.seqlen)} "
+                  f"of S={cfg.seqlen}", flush=True)
     losses, step_loss, step_acc, rates = [], [[] for _ in range(cfg.ttt_steps)], \
         [[] for _ in range(cfg.ttt_steps)], []
     t_start = time.perf_counter()
