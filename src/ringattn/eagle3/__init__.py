@@ -1,10 +1,31 @@
 """Eagle3 speculative-decoding draft training under context parallelism.
 
-* ``ttt_attention``: the draft's test-time-training attention, exact on shards.
-* ``dense_ttt_attention``, ``ttt_mask``, ``modelopt_ttt_mask``: the single-device
-  formulation (the mask written out) and ModelOpt's token-aligned version of it.
+* ``ttt_attention``: the draft's test-time-training attention on shards (step-0 keys on a
+  causal ring, the keys cached by later steps rank-local, merged by log-sum-exp).
+* ``dense_ttt_attention``, ``ttt_mask``, ``modelopt_ttt_mask``: the one-device formulation
+  (the mask written out) and ModelOpt's token-aligned version of it.
+* ``Lookahead``: rows a few positions ahead, read across shard boundaries.
+* ``Eagle3Draft``, ``run_target``, ``eagle3_step``: the draft, the target under CP, and one
+  TTT unroll with global per-step losses and accuracies (``ringattn.eagle3.train`` has the
+  DP x CP training loop, ``ringattn.eagle3.demo`` the demo). See docs/eagle3.md.
 """
 
 from .attention import dense_ttt_attention, modelopt_ttt_mask, ttt_attention, ttt_mask
+from .draft import (Eagle3Draft, StepResult, TargetOutputs, aux_layer_ids, draft_vocabulary,
+                    eagle3_step, run_target)
+from .shift import Lookahead
 
-__all__ = ["dense_ttt_attention", "modelopt_ttt_mask", "ttt_attention", "ttt_mask"]
+__all__ = [
+    "Eagle3Draft",
+    "Lookahead",
+    "StepResult",
+    "TargetOutputs",
+    "aux_layer_ids",
+    "dense_ttt_attention",
+    "draft_vocabulary",
+    "eagle3_step",
+    "modelopt_ttt_mask",
+    "run_target",
+    "ttt_attention",
+    "ttt_mask",
+]
