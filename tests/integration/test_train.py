@@ -57,3 +57,27 @@ def test_cli_train_rejects_bad_options(tmp_path, capsys):
         cli.main(["train", "--data", str(tmp_path / "missing.txt"), *ARGS])
     assert exc.value.code == 2
     assert "missing.txt" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(240)
+def test_eagle3_under_torchrun_dp_x_cp_equals_one_process(tmp_path):
+    """``python -m ringattn.eagle3.train`` under torchrun on 4 ranks, dp 2 x cp 2, S = 61:
+    the per-step losses and accuracies of one process on both replicas' rows."""
+    from ringattn.eagle3.train import Eagle3Config, train_eagle3
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           "-m", "ringattn.eagle3.train", "--dp", "2", "--steps", "2", "--seqlen", "61",
+           "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r, held in enumerate(["[0, 16) + [48, 61)", "[16, 48)"] * 2):
+        assert f"rank {r} (dp {r // 2}, cp {r % 2}) holds {held}" in proc.stdout
+    got = json.loads((out / "eagle3.json").read_text())
+    assert got["cp"] == 2 and got["dp"] == 2 and len(got["peak_rss_mib"]) == 4
+    assert (out / "eagle3.png").stat().st_size > 10_000
+    want = train_eagle3(Eagle3Config(steps=2, seqlen=61, dp=2), progress=False)
+    for step, (a, b) in enumerate(zip(got["loss"], want["loss"], strict=True)):
+        assert abs(a - b) <= 1e-5 * abs(b), (step, a, b)
+    assert got["step_accuracy"] == want["step_accuracy"]

@@ -175,8 +175,13 @@ def _draft_ids(cfg: Eagle3Config, target, group):
 
 
 def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
-                 out_dir: str | None = None) -> dict:
+                 out_dir: str | None = None, log_every: int = 10) -> dict:
     """Train the draft; with a group (the whole world, split dp x cp), under CP.
+
+    Rank 0 prints every rank's shard ranges at start, shows a tqdm bar, and (with
+    ``progress``) a line of per-TTT-step losses and accuracies every ``log_every`` steps;
+    with ``out_dir`` it writes ``eagle3.json``, ``eagle3.png`` (per-TTT-step loss) and
+    ``eagle3_accuracy.png``.
 
     Returns:
         dict (the same on every rank): ``config``, ``world``, ``cp``, ``dp``, per-step
@@ -243,7 +248,13 @@ def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
             step_acc[j].append(float(sums[1, j] / sums[2, j]) if sums[2, j] > 0 else float("nan"))
         rates.append(cfg.batch * cfg.dp * cfg.seqlen / (time.perf_counter() - t0))
         bar.set_postfix(loss=f"{losses[-1]:.4f}", acc0=f"{step_acc[0][-1]:.3f}",
-                        acc6=f"{step_acc[-1][-1]:.3f}")
+                        acc_last=f"{step_acc[-1][-1]:.3f}")
+        n = len(losses)
+        if show and log_every and (n % log_every == 0 or n == cfg.steps):
+            bar.write(f"step {n}: loss {losses[-1]:.4f}; per TTT step loss "
+                      f"{' '.join(f'{step_loss[j][-1]:.3f}' for j in range(cfg.ttt_steps))}; "
+                      f"accuracy "
+                      f"{' '.join(f'{step_acc[j][-1]:.3f}' for j in range(cfg.ttt_steps))}")
     bar.close()
     seconds = time.perf_counter() - t_start
     later = rates[1:] or rates
@@ -264,10 +275,13 @@ def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "eagle3.json"), "w") as f:
             json.dump(result, f, indent=1)
+        title = f"Eagle3 draft, S={cfg.seqlen}, dp {cfg.dp} x cp {cp}"
         plot_curves(os.path.join(out_dir, "eagle3.png"),
                     [(f"TTT step {j}", step_loss[j], {}) for j in range(cfg.ttt_steps)],
-                    title=f"Eagle3 draft, S={cfg.seqlen}, dp {cfg.dp} x cp {cp}",
-                    ylabel="per-step loss")
+                    title=title, ylabel="per-TTT-step loss")
+        plot_curves(os.path.join(out_dir, "eagle3_accuracy.png"),
+                    [(f"TTT step {j}", step_acc[j], {}) for j in range(cfg.ttt_steps)],
+                    title=title, ylabel="per-TTT-step accuracy")
     return result
 
 
