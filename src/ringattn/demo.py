@@ -43,6 +43,25 @@ LEARN_RATIO = 0.7
 """The copied half's final loss must be below this fraction of its initial loss."""
 
 
+def run_costs(cp: dict, single: dict, t0: float) -> dict:
+    """``seconds``, ``tokens_per_s`` and ``peak_rss_mib`` of a CP run and its one-process
+    twin (training results with those keys), for a demo's result; ``t0`` started both."""
+    return {
+        "seconds": {"cp": cp["seconds"], "single": single["seconds"],
+                    "total": time.perf_counter() - t0},
+        "tokens_per_s": {"cp": cp["tokens_per_s_mean"], "single": single["tokens_per_s_mean"]},
+        "peak_rss_mib": {"cp": cp["peak_rss_mib"], "single": single["peak_rss_mib"][0]},
+    }
+
+
+def save_result(result: dict, out_dir: str, name: str, plot) -> None:
+    """Write ``out_dir/name.json`` and, through ``plot(result, path)``, ``out_dir/name.png``."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    plot(result, os.path.join(out_dir, f"{name}.png"))
+
+
 def _table(result: dict, every: int) -> str:
     steps = len(result["cp_loss"])
     rows = sorted(set(range(0, steps, every)) | {steps - 1})
@@ -156,16 +175,10 @@ def run_demo(
         "copy_loss_first": first,
         "copy_loss_last": last,
         "learned": learned,
-        "seconds": {"cp": cp["seconds"], "single": single["seconds"],
-                    "total": time.perf_counter() - t0},
-        "tokens_per_s": {"cp": cp["tokens_per_s_mean"], "single": single["tokens_per_s_mean"]},
-        "peak_rss_mib": {"cp": cp["peak_rss_mib"], "single": single["peak_rss_mib"][0]},
+        **run_costs(cp, single, t0),
         "failures": failures,
     }
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "losses.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    _plot(result, os.path.join(out_dir, "losses.png"))
+    save_result(result, out_dir, "losses", _plot)
     if verbose:
         print(_table(result, every=25))
         print(

@@ -16,10 +16,10 @@ or accuracies of the two runs differ beyond float32 rounding, or the draft did n
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
+from ..demo import run_costs, save_result
 from .train import Eagle3Config, spawn_eagle3, train_eagle3
 
 __all__ = ["REL_TOL", "run_eagle3_demo"]
@@ -132,16 +132,10 @@ def run_eagle3_demo(world: int = 2, steps: int = Eagle3Config.steps, out_dir: st
         "max_acc_diff": acc_diff, "tolerance": REL_TOL,
         "accuracy_step0_first": first, "accuracy_step0_last": last,
         "shard_ranges": cp["shard_ranges"],
-        "seconds": {"cp": cp["seconds"], "single": single["seconds"],
-                    "total": time.perf_counter() - t0},
-        "tokens_per_s": {"cp": cp["tokens_per_s_mean"], "single": single["tokens_per_s_mean"]},
-        "peak_rss_mib": {"cp": cp["peak_rss_mib"], "single": single["peak_rss_mib"][0]},
+        **run_costs(cp, single, t0),
         "failures": failures,
     }
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "eagle3.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    _plot(result, os.path.join(out_dir, "eagle3.png"))
+    save_result(result, out_dir, "eagle3", _plot)
     if verbose:
         print(f"{'step':>5}  {'CP loss':>10}  {'one-process':>11}  {'rel diff':>9}  "
               f"{'acc j=0 CP':>10}  {'acc j=6 CP':>10}")
