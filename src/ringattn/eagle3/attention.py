@@ -136,8 +136,8 @@ def _check_keys(q, keys, values, valid_len, seqlen_for_check):
                     f"keys and values must match keys[0]: {tuple(keys[0].shape)} "
                     f"{keys[0].dtype} on {keys[0].device}"
                 )
-    if valid_len is not None:
-        b = q.shape[0] if isinstance(q, torch.Tensor) else -1
+    if valid_len is not None and isinstance(q, torch.Tensor) and q.dim() == 4:
+        b = q.shape[0]  # (a q that is not [B, S_local, H, D] is reported by the ring's checks)
         if len(valid_len) != b:
             raise ValueError(f"valid_len has {len(valid_len)} entries for a batch of {b}")
         bad = [x for x in valid_len if x < 0 or (isinstance(seqlen_for_check, int) and x > seqlen_for_check)]
