@@ -269,7 +269,7 @@ def _rss_mib() -> float | None:
         return None
 
 
-def _peak_rss_mib() -> float:
+def peak_rss_mib() -> float:
     """High-water resident set size of this process, MiB (ru_maxrss: KiB on Linux, B on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
@@ -365,7 +365,7 @@ def train(cfg: TrainConfig, *, group=None, attn_implementation: str | None = Non
     bar.close()
     seconds = time.perf_counter() - t_start
     rss = torch.zeros(2, world, dtype=torch.float64)
-    rss[:, rank] = torch.tensor([rss_start or float("nan"), _peak_rss_mib()])
+    rss[:, rank] = torch.tensor([rss_start or float("nan"), peak_rss_mib()])
     if cp:
         _check_replicas(params, pg, rank)
         dist.all_reduce(rss, group=pg)

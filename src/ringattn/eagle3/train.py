@@ -25,11 +25,11 @@ import torch.distributed as dist
 from ..comm import resolve_group
 from ..integrations import transformers as ra_hf
 from ..layouts import LAYOUTS, local_positions
-from ..train import _peak_rss_mib, plot_curves, spawn
+from ..train import peak_rss_mib, plot_curves, spawn
 from .draft import Eagle3Draft, draft_vocabulary, eagle3_step, run_target
 
-__all__ = ["Eagle3Config", "build_target", "build_draft", "make_batches", "train_eagle3",
-           "spawn_eagle3", "shard_ranges"]
+__all__ = ["Eagle3Config", "build_target", "build_draft", "make_batches", "train_step",
+           "train_eagle3", "spawn_eagle3", "shard_ranges"]
 
 
 @dataclass(frozen=True)
@@ -174,6 +174,38 @@ def _draft_ids(cfg: Eagle3Config, target, group):
                             cfg.vocab, cfg.draft_vocab)
 
 
+def train_step(target, draft: Eagle3Draft, opt, batch: dict, cfg: Eagle3Config, *,
+               cp_group=None, dp_group=None) -> torch.Tensor:
+    """One optimizer step on one batch: the target under CP, the TTT unroll, the backward,
+    the draft's gradients summed over the CP shares (one all-reduce) and averaged over the
+    DP replicas (one more, with ``dp_group``), AdamW.
+
+    Returns:
+        [3, T] float64 (loss, correct, counted) sums of every TTT step over CP and DP (the
+        loss sums are each replica's mean; divide by the number of replicas).
+    """
+    params = [p for p in draft.parameters() if p.requires_grad]
+    tgt = run_target(target, batch, group=cp_group, layout=cfg.layout)
+    res = eagle3_step(draft, tgt, steps=cfg.ttt_steps, decay=cfg.decay)
+    opt.zero_grad(set_to_none=False)
+    res.loss.backward()
+    sums = res.sums
+    if cp_group is not None:
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat, group=cp_group)  # each rank holds its share's gradient
+        if dp_group is not None:
+            dist.all_reduce(flat, group=dp_group)
+            flat /= dist.get_world_size(dp_group)
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        if dp_group is not None:
+            dist.all_reduce(sums, group=dp_group)
+    opt.step()
+    return sums
+
+
 def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
                  out_dir: str | None = None, log_every: int = 10) -> dict:
     """Train the draft; with a group (the whole world, split dp x cp), under CP.
@@ -202,8 +234,8 @@ def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
         cp_group, dp_group, dp_rank, cp_rank, cp = _mesh(cfg.dp)
         target = build_target(cfg, ra_hf.NAME)
     draft = build_draft(cfg, target, _draft_ids(cfg, target, cp_group))
-    params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr,
+                            weight_decay=0.0)
     # every rank reports the positions it holds; rank 0 prints them in rank order
     mine = (dp_rank, cp_rank, shard_ranges(cfg.seqlen, cfg.layout, cp_rank, cp))
     reports = [mine]
@@ -225,22 +257,8 @@ def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
                desc=f"eagle3 draft, {'one process' if group is None else f'dp {cfg.dp} x cp {cp}'}")
     for batch in bar:
         t0 = time.perf_counter()
-        tgt = run_target(target, batch, group=cp_group, layout=cfg.layout)
-        res = eagle3_step(draft, tgt, steps=cfg.ttt_steps, decay=cfg.decay)
-        opt.zero_grad(set_to_none=False)
-        res.loss.backward()
-        sums = res.sums
-        if group is not None:
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.all_reduce(flat, group=pg)  # sum over CP shares and DP replicas
-            flat /= replicas
-            offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
-            if replicas > 1:
-                dist.all_reduce(sums, group=dp_group)
-        opt.step()
+        sums = train_step(target, draft, opt, batch, cfg, cp_group=cp_group,
+                          dp_group=dp_group if replicas > 1 else None)
         weights = torch.tensor([cfg.decay ** j for j in range(cfg.ttt_steps)], dtype=torch.float64)
         losses.append(float((sums[0] * weights).sum()) / replicas)
         for j in range(cfg.ttt_steps):
@@ -258,7 +276,7 @@ def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
     bar.close()
     seconds = time.perf_counter() - t_start
     later = rates[1:] or rates
-    peak = torch.tensor([_peak_rss_mib()], dtype=torch.float64)
+    peak = torch.tensor([peak_rss_mib()], dtype=torch.float64)
     peaks = [float(peak)]
     if group is not None:
         gathered = [torch.zeros_like(peak) for _ in range(world)]
