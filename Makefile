@@ -27,7 +27,7 @@ demo-lm: install
 test: install
 	$(PY) -m pytest -q tests
 
-# Benchmarks (about 40 minutes on 2 cores): JSON + PNG under benchmarks/results/.
+# Benchmarks (about 45 minutes on 2 cores): JSON + PNG under benchmarks/results/.
 # bench_gpu.py needs a CUDA GPU and is run by hand (benchmarks/README.md).
 bench: install
 	$(PY) benchmarks/torch_ring.py
@@ -35,6 +35,7 @@ bench: install
 	$(PY) benchmarks/bench_scaling.py
 	$(PY) benchmarks/bench_paired.py
 	$(PY) benchmarks/bench_masks.py
+	$(PY) benchmarks/bench_eagle3.py
 	$(PY) benchmarks/report.py
 
 clean:

@@ -201,6 +201,85 @@ def masks_tables(data: dict) -> list[str]:
     return out
 
 
+def eagle3_tables(data: dict) -> list[str]:
+    import statistics
+
+    m = data["model"]
+    out = [f"Measured {_machine(data['machine'])}. Device: CPU, {data['machine']['nproc']} "
+           "cores, gloo (every cp rank a local process).", "",
+           f"Model: target {m['target_layers']}-layer Llama (hidden {m['hidden']}, H={m['heads']}, "
+           f"Hkv={m['kv_heads']}, intermediate {m['intermediate']}, vocab {m['vocab']}), draft "
+           f"vocab {m['draft_vocab']}, {m['ttt_steps']} TTT steps; fp32, B={m['batch']}, pad "
+           f"{data['pad']}, layout {m['layout']}. A step = target forward under CP + "
+           "eagle3_step forward + backward + gradient all-reduce + AdamW; each measurement in "
+           f"fresh processes after one warm-up step at S={data['warmup_S']}.", "",
+           f"### One training step at S={data['S']}: per-rank memory (max over ranks) and tokens/s",
+           "",
+           "Memory runs: MALLOC_MMAP_THRESHOLD_ set, 1 thread per rank; RSS before = right before "
+           "the step (torch, transformers, models, AdamW state); peak = ru_maxrss after it; step "
+           "= peak - RSS before. Timing runs: default malloc, cores // W threads per rank, median "
+           f"of {data['timed_steps']} steps after the measured one (slowest rank); every cp size "
+           "shares the same cores, so the ratio to cp=1 is CP's overhead, not a speedup.", "",
+           "| cp size | RSS before MiB | peak RSS MiB | step memory MiB | step memory / cp=1 | "
+           "peak RSS, default malloc MiB | threads per rank | step s | tokens/s | tokens/s / cp=1 |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    step1 = data["fixed"][0]["memory"]["step_mib"]
+    for rec in data["fixed"]:
+        mem, sp = rec["memory"], rec["speed"]
+        out.append(f"| {rec['W']} | {mem['rss_before_mib']:.0f} | {mem['peak_mib']:.0f} | "
+                   f"{mem['step_mib']:.0f} | {mem['step_mib'] / step1:.3f} | {sp['peak_mib']:.0f} | "
+                   f"{sp['threads']} | {sp['step_s']:.2f} | {sp['tokens_per_s']:.0f} | "
+                   f"{sp['tokens_per_s_over_w1']:.2f} |")
+    runs = [rec["memory"] for rec in data["fixed"]]
+    runs += [p for rec in data["search"] for p in rec["probes"][1:]]
+    below = all(r["hwm_before_mib"] < r["peak_mib"] for run in runs for r in run["ranks"])
+    out += ["", f"The RSS high water before the measured step (imports, warm-up) was below the "
+            f"step's peak on every rank of every memory run: {'yes' if below else 'NO'}.", ""]
+    if data["search"]:
+        out += [f"### Longest S that trains one step within a step-memory cap of "
+                f"{data['cap_mib']:g} MiB per process", "",
+                f"Cap on {data['cap']}; the search stops when the longest S that fits and the "
+                f"shortest that does not are within {data['tol']:.0%}. Probes: S (step MiB), "
+                "in the order run, the first being the fixed-S run.", "",
+                "| cp size | longest S within the cap | shortest S over it | probes |",
+                "|---|---|---|---|"]
+        for rec in data["search"]:
+            probes = ", ".join(f"{p['S']} ({p['step_mib']:.0f})" for p in rec["probes"])
+            out.append(f"| {rec['W']} | {rec['max_s']} | {rec['first_over']} | {probes} |")
+        out.append("")
+    t = data.get("ttt")
+    if t:
+        out += [f"### Step-0 keys: the ring at every TTT step or one all-gather per batch "
+                f"(W={t['W']}, S={t['S']}, H={t['H']}, Hkv={t['Hkv']}, D={t['D']}, "
+                f"T={t['T']}, fp32, {t['threads']} thread per rank)", "",
+                "Seconds of forward+backward summed over the TTT steps j = 0..T-1 (slowest "
+                f"rank), {t['rounds']} rounds after a warm-up round, the variants' order "
+                "rotating; ratios within each round. `ring`: ttt_attention (step-0 keys on the "
+                "ring at every j). `gather`: one all-gather of K0/V0, SDPA (flash) with an "
+                "explicit causal + diagonal boolean mask over [K0 of all S; the j cached key "
+                "sets], one reduce-scatter of the gathered keys' gradients. "
+                "`gather-step0-only`: the same without the cached key sets (it leaves out the "
+                "diagonal, so it does less than a TTT step needs). SDPA with a mask computes "
+                "every (query, key) pair of its columns, masked or not, while the causal ring "
+                "skips the blocks above the diagonal: the times compare kernels as much as "
+                "communication.", "",
+                "| variant | seconds: median (min..max) | / ring: median (range) |",
+                "|---|---|---|"]
+        for name, xs in t["times_s"].items():
+            r = t["ratios"].get(f"{name} / ring")
+            cell = "1" if r is None else f"{statistics.median(r):.3f} ({min(r):.3f}..{max(r):.3f})"
+            out.append(f"| {name} | {statistics.median(xs):.3g} ({min(xs):.3g}..{max(xs):.3g}) | "
+                       f"{cell} |")
+        out += ["", f"Held per rank for the step-0 keys: gather {t['gathered_kv_bytes'] / 2**20:.2f} "
+                f"MiB (2 * S * Hkv * D * 4 bytes, K0 and V0 of the whole sequence, and as much "
+                f"again for their gradients in the backward), ring {t['ring_kv_bytes'] / 2**20:.2f} "
+                "MiB (the local block and the one in flight: 2 / W of gather's, equal at W=2, "
+                "and independent of W for a fixed S / W). The explicit mask of the `gather` "
+                f"variant reaches {t['mask_bytes_last_step'] / 2**20:.1f} MiB at the last step "
+                "(a cost of this benchmark, not of the design).", ""]
+    return out
+
+
 def main() -> None:
     results = HERE / "results"
     lines = [BEGIN, "", "## Attention: speed and memory (`bench_attention.py --quick`)", ""]
@@ -220,6 +299,11 @@ def main() -> None:
         lines += ["## Packed documents: balance and masked-batch speed (`bench_masks.py`)", ""]
         lines += masks_tables(json.loads(masks.read_text()))
         lines += ["![balance](results/masks_balance.png)", "", "![masked time](results/masks_time.png)", ""]
+    eagle3 = results / "eagle3.json"
+    if eagle3.exists():
+        lines += ["## Eagle3 draft training under CP (`bench_eagle3.py`)", ""]
+        lines += eagle3_tables(json.loads(eagle3.read_text()))
+        lines += ["![eagle3](results/eagle3.png)", ""]
     lines.append(END)
     path = HERE / "RESULTS.md"
     text = path.read_text() if path.exists() else f"# Benchmark results\n\n{BEGIN}\n{END}\n"
