@@ -208,3 +208,37 @@ def test_bad_input_raises_on_every_rank(clusters):
         for rank, res in enumerate(got):
             assert res is not None, f"{case}: rank {rank} raised nothing"
             assert words in res[1], (case, rank, res)
+
+
+def run_offline_vs_one_process(layout):
+    """Rank side: precomputed (global) target outputs sharded with shard_target_outputs give
+    the one-process step (offline Eagle3 training)."""
+    from ringattn.eagle3 import shard_target_outputs
+
+    cfg = small_config(seqlen=47, layout=layout)
+    _, one_target, draft, draft_one = _models(cfg)
+    batch = next(make_batches(cfg))
+    whole = run_target(one_target, batch)  # what an offline pipeline stores
+    stored = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+              "loss_mask": batch["loss_mask"], "aux_hidden": whole.aux_hidden,
+              "logits": whole.logits}
+    res = eagle3_step(draft, shard_target_outputs(stored, group=dist.group.WORLD, layout=layout))
+    res.loss.backward()
+    one = eagle3_step(draft_one, shard_target_outputs(stored))
+    one.loss.backward()
+    errs = {f"loss step {j}": abs(a - b) / abs(b) for j, (a, b) in enumerate(zip(res.losses, one.losses))}
+    for n, p in draft_one.named_parameters():
+        if p.requires_grad:
+            g = draft.get_parameter(n).grad.clone()
+            dist.all_reduce(g)
+            errs[f"grad {n}"] = rel_err(g.double(), p.grad.double())
+    errs["accuracy"] = max(abs(a - b) for a, b in zip(res.accuracies, one.accuracies))
+    return errs
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_offline_sharded_target_outputs_equal_one_process(clusters, layout):
+    for rank, errs in enumerate(clusters(3).run(run_offline_vs_one_process, layout, timeout=180)):
+        bad = {k: v for k, v in errs.items() if not v <= FP32_TOL}
+        assert not bad, (rank, bad)

@@ -5,14 +5,15 @@
 * ``dense_ttt_attention``, ``ttt_mask``, ``modelopt_ttt_mask``: the one-device formulation
   (the mask written out) and ModelOpt's token-aligned version of it.
 * ``Lookahead``: rows a few positions ahead, read across shard boundaries.
-* ``Eagle3Draft``, ``run_target``, ``eagle3_step``: the draft, the target under CP, and one
+* ``Eagle3Draft``, ``run_target``, ``shard_target_outputs``, ``eagle3_step``: the draft,
+  the target under CP (or precomputed target outputs sharded, for offline training), one
   TTT unroll with global per-step losses and accuracies (``ringattn.eagle3.train`` has the
   DP x CP training loop, ``ringattn.eagle3.demo`` the demo). See docs/eagle3.md.
 """
 
 from .attention import dense_ttt_attention, modelopt_ttt_mask, ttt_attention, ttt_mask
 from .draft import (Eagle3Draft, StepResult, TargetOutputs, aux_layer_ids, draft_vocabulary,
-                    eagle3_step, run_target)
+                    eagle3_step, run_target, shard_target_outputs)
 from .shift import Lookahead
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "eagle3_step",
     "modelopt_ttt_mask",
     "run_target",
+    "shard_target_outputs",
     "ttt_attention",
     "ttt_mask",
 ]

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from ..comm import metadata_device, resolve_group
@@ -34,7 +33,7 @@ from .attention import dense_ttt_attention, ttt_attention
 from .shift import Lookahead
 
 __all__ = ["Eagle3Draft", "TargetOutputs", "StepResult", "aux_layer_ids", "draft_vocabulary",
-           "run_target", "eagle3_step"]
+           "run_target", "shard_target_outputs", "eagle3_step"]
 
 
 def aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -151,6 +150,14 @@ def _valid_len(attention_mask):
     return None if bool(keep.all()) else tuple(int(x) for x in n.tolist())
 
 
+def _loss_mask(batch: dict) -> torch.Tensor:
+    """The batch's loss_mask; default: its attention_mask, else all ones."""
+    for key in ("loss_mask", "attention_mask"):
+        if batch.get(key) is not None:
+            return batch[key]
+    return torch.ones_like(batch["input_ids"])
+
+
 @torch.no_grad()
 def run_target(target, batch: dict, *, group=None, layout: str = "zigzag",
                aux_layers=None) -> TargetOutputs:
@@ -168,9 +175,7 @@ def run_target(target, batch: dict, *, group=None, layout: str = "zigzag",
     ids = batch["input_ids"]
     b, s = ids.shape
     valid = _valid_len(batch.get("attention_mask"))
-    loss_mask = batch.get("loss_mask")
-    if loss_mask is None:
-        loss_mask = batch.get("attention_mask", torch.ones_like(ids))
+    loss_mask = _loss_mask(batch)
     layers = aux_layers or aux_layer_ids(target.config.num_hidden_layers)
     if group is None:
         out = target(input_ids=ids, attention_mask=batch.get("attention_mask"),
@@ -188,6 +193,44 @@ def run_target(target, batch: dict, *, group=None, layout: str = "zigzag",
     aux = torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1)
     layout = layout if group is not None else "contiguous"  # one process: no shard padding
     return TargetOutputs(aux, out.logits, local_ids, lm, pos, valid, s, layout, group)
+
+
+def shard_target_outputs(batch: dict, *, group=None, layout: str = "zigzag") -> TargetOutputs:
+    """This rank's share of PRECOMPUTED target outputs (offline Eagle3 training).
+
+    Arguments:
+        batch: global tensors, the same on every CP rank: ``input_ids`` [B, S],
+            ``aux_hidden`` [B, S, 3 H_target] (the three auxiliary hidden states,
+            concatenated), ``logits`` [B, S, V] (the target's), optional ``attention_mask``
+            (right padding) and ``loss_mask`` [B, S].
+        group: the CP group (None: one process keeps everything).
+        layout: how to shard (any S).
+
+    Raises:
+        ValueError: missing or misshapen tensors, left padding.
+    """
+    ids = batch.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise ValueError("batch['input_ids'] must be a [B, S] tensor")
+    b, s = ids.shape
+    for key in ("aux_hidden", "logits", "attention_mask", "loss_mask"):
+        t = batch.get(key)
+        if t is None and key in ("aux_hidden", "logits"):
+            raise ValueError(f"batch[{key!r}] is missing")
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape[:2]) != (b, s)):
+            raise ValueError(f"batch[{key!r}] must be a tensor of shape [B={b}, S={s}, ...]")
+    valid = _valid_len(batch.get("attention_mask"))
+    loss_mask = _loss_mask(batch)
+    parts = {k: batch[k] for k in ("input_ids", "aux_hidden", "logits")}
+    parts["loss_mask"] = loss_mask
+    if group is None:
+        pos = torch.arange(s, device=ids.device).expand(b, s)
+        return TargetOutputs(parts["aux_hidden"], parts["logits"], ids, loss_mask, pos, valid,
+                             s, "contiguous", None)
+    local = {k: shard(v, group=group, layout=layout, seqlen=s) for k, v in parts.items()}
+    pos = positions(s, group=group, layout=layout, device=ids.device).expand(b, -1)
+    return TargetOutputs(local["aux_hidden"], local["logits"], local["input_ids"],
+                         local["loss_mask"], pos, valid, s, layout, group)
 
 
 @dataclass
