@@ -76,8 +76,10 @@ BACKWARD_OVERLAP = ("all", "kv", "none")
 """How much communication the backward overlaps with compute, from fastest to leanest."""
 
 
-def ring_backward(dout_BLHD, q_BLHD, k_BLHD, v_BLHD, out_BLHD, lse_BHL, ring: Ring):
-    """Return (dq, dk, dv) in the dtypes of q, k, v.
+def ring_backward(dout_BLHD, q_BLHD, k_BLHD, v_BLHD, out_BLHD, lse_BHL, ring: Ring,
+                  keep_accumulator: bool = False):
+    """Return (dq, dk, dv) in the dtypes of q, k, v (dq in the accumulator dtype with
+    ``keep_accumulator``, for callers that add more to it).
 
     The dK/dV accumulator of step t arrives from the previous rank, which sent it after its
     own step t-1. ``ring.backward_overlap`` decides what travels while the kernels run:
@@ -132,7 +134,8 @@ def ring_backward(dout_BLHD, q_BLHD, k_BLHD, v_BLHD, out_BLHD, lse_BHL, ring: Ri
             kv, spare = hop.wait(), kv
     if grad_hop is not None:
         dkv = grad_hop.wait()  # our own block's gradients, home after a full turn
-    return dq_BLHD.to(q_BLHD.dtype), dkv[0].to(k_BLHD.dtype), dkv[1].to(v_BLHD.dtype)
+    dq = dq_BLHD if keep_accumulator else dq_BLHD.to(q_BLHD.dtype)
+    return dq, dkv[0].to(k_BLHD.dtype), dkv[1].to(v_BLHD.dtype)
 
 
 def _add_block_grads(dkv, pending) -> None:

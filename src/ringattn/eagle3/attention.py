@@ -48,7 +48,8 @@ def _diagonal_scores(q_BLHD, keys, scale):
 
 
 def _merge_diagonal(out0_BLHD, lse0_BHL, scores, values):
-    """Fold the diagonal keys into the step-0 result: merged (out in acc dtype, lse [B,H,L])."""
+    """Fold the diagonal keys into the step-0 result: merged (out in acc dtype, lse [B,H,L]).
+    ``scores`` are ``_diagonal_scores``; ``out0`` is in the accumulator dtype."""
     b, n, h, d = out0_BLHD.shape
     hkv = values[0].shape[2]
     g = h // hkv
@@ -59,7 +60,7 @@ def _merge_diagonal(out0_BLHD, lse0_BHL, scores, values):
     w0 = torch.exp(lse0 - lse)[..., None]  # 0 where step 0 saw nothing (lse0 = -inf)
     out = out0_BLHD.to(scores.dtype).reshape(b, n, hkv, g, d) * w0
     out = out + torch.einsum("blkgt,blktd->blkgd", p, v)
-    return out.reshape(b, n, h, d), lse.reshape(b, n, h).transpose(1, 2), p
+    return out.reshape(b, n, h, d), lse.reshape(b, n, h).transpose(1, 2)
 
 
 class _TTTAttention(torch.autograd.Function):
@@ -72,7 +73,7 @@ class _TTTAttention(torch.autograd.Function):
             out, lse = out0.to(q.dtype), lse0
         else:
             scores = _diagonal_scores(q, keys, ring.spec.softmax_scale)
-            out, lse, _ = _merge_diagonal(out0, lse0, scores, values)
+            out, lse = _merge_diagonal(out0, lse0, scores, values)
             out = out.to(q.dtype)
         ctx.ring = ring
         ctx.save_for_backward(q, k0, v0, out, lse, *cached)
@@ -84,8 +85,8 @@ class _TTTAttention(torch.autograd.Function):
         ring = ctx.ring
         dout = dout.contiguous()
         # step-0 keys: each block's gradient against the final (merged) softmax
-        dq, dk0, dv0 = ring_backward(dout, q, k0, v0, out, lse, ring)
         j = len(cached) // 2
+        dq, dk0, dv0 = ring_backward(dout, q, k0, v0, out, lse, ring, keep_accumulator=j > 0)
         if j == 0:
             return None, dq, dk0, dv0
         keys, values = cached[:j], cached[j:]
@@ -104,7 +105,7 @@ class _TTTAttention(torch.autograd.Function):
         dp = torch.einsum("blkgd,blktd->blkgt", dout_g, v)
         ds = p * (dp - delta[..., None]) * scale
         q_g = q.to(acc).reshape(b, n, hkv, g, d)
-        dq = dq.to(acc) + torch.einsum("blkgt,blktd->blkgd", ds, k).reshape(b, n, h, d)
+        dq = dq + torch.einsum("blkgt,blktd->blkgd", ds, k).reshape(b, n, h, d)
         dk = torch.einsum("blkgt,blkgd->blktd", ds, q_g)  # [B, L, Hkv, T-1, D]
         dv = torch.einsum("blkgt,blkgd->blktd", p, dout_g)
         grads_k = [dk[:, :, :, t].to(keys[t].dtype) for t in range(j)]
