@@ -22,12 +22,13 @@ every shift reads across shard boundaries through ``Lookahead``, RoPE uses globa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import metadata_device, resolve_group
+from ..comm import resolve_group
 from ..sharding import positions, shard
 from .attention import dense_ttt_attention, ttt_attention
 from .shift import Lookahead
@@ -245,18 +246,25 @@ class StepResult:
     """[3, T] float64 global (loss, correct, counted) sums, for reducing over DP too."""
 
 
+@lru_cache(maxsize=8)
+def _lookahead(group, layout: str, seqlen: int, width: int) -> Lookahead:
+    """One ``Lookahead`` per (group, layout, S, width): its set-up exchange runs once."""
+    return Lookahead(group=group, layout=layout, seqlen=seqlen, width=width)
+
+
 def eagle3_step(draft: Eagle3Draft, tgt: TargetOutputs, *, steps: int = 7,
                 decay: float = 0.8) -> StepResult:
     """The TTT forward of one batch: per-step losses and accuracies, the loss to backward.
 
     One process (``tgt.group`` None) uses the dense TTT mask; under CP, ``ttt_attention``.
     The diagonal keys never leave their rank; every shift of inputs, teacher and masks reads
-    across shard boundaries (``Lookahead``: one all_to_all per tensor per batch).
+    across shard boundaries (``Lookahead``: one all_to_all per tensor per batch, after a
+    set-up made once per (group, layout, S, steps)).
     """
     if not isinstance(steps, int) or not 1 <= steps <= 64:
         raise ValueError(f"steps must be an int in [1, 64], got {steps!r}")
     b = tgt.input_ids.shape[0]
-    ahead = Lookahead(group=tgt.group, layout=tgt.layout, seqlen=tgt.seqlen, width=steps)
+    ahead = _lookahead(tgt.group, tgt.layout, tgt.seqlen, steps)
     draft_ids = draft.draft_ids
     teacher = torch.softmax(tgt.logits[..., draft_ids].float(), dim=-1)  # [B, L, Vd]
     in_vocab = draft.t2d[tgt.logits.argmax(-1)]
@@ -274,7 +282,7 @@ def eagle3_step(draft: Eagle3Draft, tgt: TargetOutputs, *, steps: int = 7,
     hidden = draft.fc(tgt.aux_hidden.to(draft.fc.weight.dtype))
     cache: tuple[list, list] = ([], [])
     total = hidden.new_zeros(())
-    sums = torch.zeros(3, steps, dtype=torch.float64)
+    sums = torch.zeros(3, steps, dtype=torch.float64, device=hidden.device)
     for j in range(steps):
         embeds = draft.embed_tokens(ahead.take(ext_ids, 1 + j)).to(hidden.dtype)
         hidden = draft.layer(embeds, hidden, tgt.position_ids + j, cache, attend)
@@ -287,11 +295,9 @@ def eagle3_step(draft: Eagle3Draft, tgt: TargetOutputs, *, steps: int = 7,
         total = total + decay ** j * loss
         with torch.no_grad():
             correct = ((logits.argmax(-1) == target_p.argmax(-1)) & active).sum()
-            sums[:, j] = torch.stack([loss.double().cpu(), correct.double().cpu(),
-                                      counted.sum().double().cpu()])
-    if tgt.group is not None:
-        reduced = sums.to(metadata_device(resolve_group(tgt.group)))
-        dist.all_reduce(reduced, group=resolve_group(tgt.group))
-        sums = reduced.cpu()
+            sums[:, j] = torch.stack([loss.double(), correct.double(), counted.sum().double()])
+    if tgt.group is not None:  # (gloo: CPU tensors; NCCL: the tensors' GPU)
+        dist.all_reduce(sums, group=resolve_group(tgt.group))
+    sums = sums.cpu()  # the one host sync of the step
     accs = [float(c / n) if n > 0 else float("nan") for c, n in zip(sums[1], sums[2])]
     return StepResult(total, [float(x) for x in sums[0]], accs, sums)
