@@ -160,3 +160,14 @@ def test_modelopt_token_aligned_mask_is_the_same_attention():
             # and each of our rows that ModelOpt keeps (i + j < S) sees the same number of keys
             for i in range(s - j):
                 assert int(ours[i].sum()) == int(theirs[i + j].sum())
+
+
+def test_library_ttt_mask_matches_the_definition():
+    """ra.eagle3.ttt_mask (used by dense_ttt_attention, the one-process baseline) equals the
+    mask written here from the definition."""
+    for s in (1, 6, 13):
+        for steps in (1, 4, 7):
+            for valid in (None, (s, max(0, s - 3))):
+                want = ttt_visible(s, steps, valid, 2)[:, 0]
+                got = ra.eagle3.ttt_mask(s, steps - 1, valid)
+                assert torch.equal(got.expand_as(want), want), (s, steps, valid)

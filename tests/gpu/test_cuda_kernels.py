@@ -228,3 +228,36 @@ def test_ring_api_general_masks_on_one_gpu_nccl():
         assert rel_err(out, ref) < 1e-5
     finally:
         dist.destroy_process_group()
+
+
+def test_eagle3_ttt_attention_on_one_gpu_nccl():
+    """ra.eagle3.ttt_attention (W = 1 over NCCL: the step-0 ring picks its CUDA kernel for
+    causal & key padding) against float64 with the TTT mask written out, fp32, 7 key sets."""
+    import torch.distributed as dist
+
+    import ringattn as ra
+
+    fd, path = tempfile.mkstemp()
+    os.close(fd)
+    os.unlink(path)
+    dist.init_process_group("nccl", init_method=f"file://{path}", rank=0, world_size=1)
+    try:
+        s, t, h, hkv, d = 203, 7, 4, 2, 64
+        g = torch.Generator().manual_seed(3)
+        q, do = (torch.randn(2, s, h, d, generator=g).cuda() for _ in range(2))
+        ks = [torch.randn(2, s, hkv, d, generator=g).cuda() for _ in range(t)]
+        vs = [torch.randn(2, s, hkv, d, generator=g).cuda() for _ in range(t)]
+        valid = [s, s - 50]
+        qx = q.clone().requires_grad_()
+        kx = [x.clone().requires_grad_() for x in ks]
+        vx = [x.clone().requires_grad_() for x in vs]
+        out = ra.eagle3.ttt_attention(qx, kx, vx, valid_len=valid, layout="zigzag")
+        out.backward(do)
+        ok = ra.eagle3.ttt_mask(s, t - 1, valid, device="cuda")[:, None]  # [B, 1, S, T*S]
+        refs = reference(q, torch.cat(ks, 1), torch.cat(vs, 1), do, ok)
+        assert rel_err(out, refs[0]) < 1e-5
+        assert rel_err(qx.grad, refs[2]) < 1e-5
+        got_dk, got_dv = torch.cat([x.grad for x in kx], 1), torch.cat([x.grad for x in vx], 1)
+        assert rel_err(got_dk, refs[3]) < 1e-5 and rel_err(got_dv, refs[4]) < 1e-5
+    finally:
+        dist.destroy_process_group()
