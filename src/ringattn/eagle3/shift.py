@@ -40,9 +40,9 @@ class Lookahead:
         layout, seqlen: how the sequence was sharded (as for ``ringattn.shard``).
         width: the largest shift that will be asked for.
 
-    ``extend(x, fill)`` makes the extended rows of a [B, L, ...] tensor (one all_to_all);
-    ``take(ext, k)`` then returns [B, L, ...] whose slot for position p holds x's row for
-    p + k (``fill`` past the end of the sequence and on padding slots).
+    ``extend(x, fill)`` receives the rows of a [B, L, ...] tensor that this rank lacks (one
+    all_to_all); ``take(ext, k)`` then returns [B, L, ...] whose slot for position p holds
+    x's row for p + k (``fill`` past the end of the sequence and on padding slots).
     """
 
     def __init__(self, *, group, layout: str, seqlen: int, width: int):
@@ -74,22 +74,25 @@ class Lookahead:
             self.send_slots = torch.searchsorted(pos, asked)
         else:
             self.send_splits, self.send_slots = [0], torch.zeros(0, dtype=torch.int64)
-        # where position q sits in the extended rows [local slots | received | fill]
+        # for every shift k: each local slot's source, as a local slot, a received row or fill
         keys = torch.cat([pos, need])
         sorted_keys, idx = torch.sort(keys)
-        fill_row = keys.numel()
-        self._index = []
+        n_local = pos.numel()
+        self._local, self._remote, self._fill = [], [], []
         for k in range(width + 1):
             q = pos + k
-            at = torch.searchsorted(sorted_keys, q).clamp(max=max(keys.numel() - 1, 0))
-            found = (pos < seqlen) & (q < seqlen)
-            if keys.numel():
-                found &= sorted_keys[at] == q
-            self._index.append(torch.where(found, idx[at] if keys.numel() else at, fill_row))
+            at = torch.searchsorted(sorted_keys, q).clamp(max=keys.numel() - 1)
+            src = idx[at]
+            found = (pos < seqlen) & (q < seqlen) & (sorted_keys[at] == q)
+            remote = found & (src >= n_local)
+            self._local.append(torch.where(found & ~remote, src, 0))
+            self._remote.append((torch.nonzero(remote).flatten(), src[remote] - n_local))
+            self._fill.append(torch.nonzero(~found).flatten())
         self.received = need.numel()
 
-    def extend(self, x: torch.Tensor, fill=0) -> torch.Tensor:
-        """[B, L + R + 1, ...]: the local rows, the rows received, one row of ``fill``."""
+    def extend(self, x: torch.Tensor, fill=0):
+        """What ``take`` reads for a [B, L, ...] tensor: (x itself, the R rows received from
+        other ranks, the fill value). One all_to_all; no copy of x."""
         if x.dim() < 2 or x.shape[1] != self.local_len:
             raise ValueError(f"expected [B, L={self.local_len}, ...], got {tuple(x.shape)}")
         rows = x.transpose(0, 1)  # [L, B, ...]: all_to_all splits dim 0
@@ -97,11 +100,19 @@ class Lookahead:
         if self.world > 1:
             dist.all_to_all_single(got, rows[self.send_slots.to(x.device)].contiguous(),
                                    self.recv_splits, self.send_splits, group=self.group)
-        pad = torch.full_like(rows[:1], fill)
-        return torch.cat([rows, got, pad]).transpose(0, 1)
+        return x, got.transpose(0, 1), fill
 
-    def take(self, ext: torch.Tensor, k: int) -> torch.Tensor:
-        """[B, L, ...]: the row of position p + k for every local position p."""
+    def take(self, ext, k: int) -> torch.Tensor:
+        """[B, L, ...]: the row of position p + k for every local position p (``fill`` past
+        the end of the sequence and on padding slots)."""
         if not 0 <= k <= self.width:
             raise ValueError(f"shift {k} is outside [0, width={self.width}]")
-        return ext.index_select(1, self._index[k].to(ext.device))
+        x, got, fill = ext
+        dev = x.device
+        out = x.index_select(1, self._local[k].to(dev))
+        slots, rows = self._remote[k]
+        if slots.numel():
+            out[:, slots.to(dev)] = got[:, rows.to(dev)]
+        if self._fill[k].numel():
+            out[:, self._fill[k].to(dev)] = fill
+        return out
