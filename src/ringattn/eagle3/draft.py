@@ -246,6 +246,32 @@ class StepResult:
     """[3, T] float64 global (loss, correct, counted) sums, for reducing over DP too."""
 
 
+class _SoftCrossEntropy(torch.autograd.Function):
+    """scale * sum over active rows of -sum_v p_v log softmax(z)_v, with the teacher p read
+    through ``Lookahead.take``. It keeps the logits and their logsumexp for the backward and
+    takes p again there, instead of keeping p and log softmax(z): one [B, L, Vd] tensor per
+    TTT step fewer alive until the backward (the draft vocabulary is large: 32k in
+    practice)."""
+
+    @staticmethod
+    def forward(ctx, logits, active, scale, ahead, ext_teacher, k):
+        p = ahead.take(ext_teacher, k)
+        lse = torch.logsumexp(logits, dim=-1)
+        ce = lse * p.sum(-1) - (p * logits).sum(-1)  # -(p * (z - lse)).sum(-1)
+        ctx.save_for_backward(logits, lse, active)
+        ctx.args = (scale, ahead, ext_teacher, k)
+        return (ce * active).sum() * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, lse, active = ctx.saved_tensors
+        scale, ahead, ext_teacher, k = ctx.args
+        p = ahead.take(ext_teacher, k)
+        weight = (active * (scale * grad)).unsqueeze(-1)
+        dz = (torch.exp(logits - lse.unsqueeze(-1)) * p.sum(-1, keepdim=True) - p) * weight
+        return dz, None, None, None, None, None
+
+
 @lru_cache(maxsize=8)
 def _lookahead(group, layout: str, seqlen: int, width: int) -> Lookahead:
     """One ``Lookahead`` per (group, layout, S, width): its set-up exchange runs once."""
@@ -287,14 +313,14 @@ def eagle3_step(draft: Eagle3Draft, tgt: TargetOutputs, *, steps: int = 7,
         embeds = draft.embed_tokens(ahead.take(ext_ids, 1 + j)).to(hidden.dtype)
         hidden = draft.layer(embeds, hidden, tgt.position_ids + j, cache, attend)
         logits = draft.logits(hidden).float()
-        target_p = ahead.take(ext_teacher, 1 + j)
         counted = ahead.take(ext_loss_mask, j)
         active = ahead.take(ext_in_vocab, 1 + j) & counted
-        ce = -(target_p * torch.log_softmax(logits, dim=-1)).sum(-1)
-        loss = (ce * active).sum() / (b * tgt.seqlen)
+        loss = _SoftCrossEntropy.apply(logits, active, 1.0 / (b * tgt.seqlen), ahead,
+                                       ext_teacher, 1 + j)
         total = total + decay ** j * loss
         with torch.no_grad():
-            correct = ((logits.argmax(-1) == target_p.argmax(-1)) & active).sum()
+            teacher_top = ahead.take(ext_teacher, 1 + j).argmax(-1)
+            correct = ((logits.argmax(-1) == teacher_top) & active).sum()
             sums[:, j] = torch.stack([loss.double(), correct.double(), counted.sum().double()])
     if tgt.group is not None:  # (gloo: CPU tensors; NCCL: the tensors' GPU)
         dist.all_reduce(sums, group=resolve_group(tgt.group))
