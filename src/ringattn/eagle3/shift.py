@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm import resolve_group
+from ..comm import metadata_device, resolve_group
 from ..layouts import get_layout, local_positions
 
 __all__ = ["Lookahead"]
@@ -63,15 +63,16 @@ class Lookahead:
         order = torch.argsort(owner, stable=True)
         need, owner = need[order], owner[order]
         self.recv_splits = torch.bincount(owner, minlength=world).tolist()
-        if world > 1:
-            counts = torch.tensor(self.recv_splits, dtype=torch.int64)
+        if world > 1:  # (on the group's device: CPU for gloo, the GPU for NCCL)
+            dev = metadata_device(self.group)
+            counts = torch.tensor(self.recv_splits, dtype=torch.int64, device=dev)
             theirs = torch.empty_like(counts)
             dist.all_to_all_single(theirs, counts, group=self.group)
             self.send_splits = theirs.tolist()
-            asked = torch.empty(sum(self.send_splits), dtype=torch.int64)
-            dist.all_to_all_single(asked, need, self.send_splits, self.recv_splits,
+            asked = torch.empty(sum(self.send_splits), dtype=torch.int64, device=dev)
+            dist.all_to_all_single(asked, need.to(dev), self.send_splits, self.recv_splits,
                                    group=self.group)
-            self.send_slots = torch.searchsorted(pos, asked)
+            self.send_slots = torch.searchsorted(pos, asked.cpu())
         else:
             self.send_splits, self.send_slots = [0], torch.zeros(0, dtype=torch.int64)
         # for every shift k: each local slot's source, as a local slot, a received row or fill

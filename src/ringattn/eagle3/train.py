@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from ..comm import resolve_group
+from ..comm import metadata_device, resolve_group
 from ..integrations import transformers as ra_hf
 from ..layouts import LAYOUTS, local_positions
 from ..train import peak_rss_mib, plot_curves, spawn
@@ -201,7 +201,9 @@ def train_step(target, draft: Eagle3Draft, opt, batch: dict, cfg: Eagle3Config, 
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
         if dp_group is not None:
-            dist.all_reduce(sums, group=dp_group)
+            reduced = sums.to(metadata_device(dp_group))
+            dist.all_reduce(reduced, group=dp_group)
+            sums = reduced.cpu()
     opt.step()
     return sums
 
