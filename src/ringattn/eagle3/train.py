@@ -3,7 +3,8 @@
 Every step: the target (a tiny random-weight ``LlamaForCausalLM``, frozen) runs on the batch
 under context parallelism through the transformers integration, the draft unrolls its TTT
 steps on this rank's tokens (``eagle3_step``), the draft's gradients are summed over the CP
-ranks and averaged over the DP replicas (one all-reduce), and AdamW steps. Per-TTT-step loss
+ranks and averaged over the DP replicas (one all-reduce each: ``train_step``), and AdamW
+steps. Per-TTT-step loss
 and accuracy are global means (over CP and DP). Without a group the same code runs in one
 process with the dense TTT mask: the baseline the CP run must match.
 
