@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import metadata_device, resolve_group
-from .masks import Mask, check_cu_seqlens, from_function
+from .masks import Mask, check_cu_seqlens, from_function, key_padding
 from .sharding import positions, shard
 
 __all__ = ["RingContext", "shard_batch", "all_reduce_metrics"]
@@ -134,7 +134,11 @@ def shard_batch(batch: dict, *, group=None, layout: str = "zigzag", extra_keys=(
     mask = None
     if keep is not None and bool((keep == 0).any()):
         real_keys = keep.to(torch.bool)
-        mask = from_function(lambda bb, h, q, kv: real_keys[bb, kv])
+        lengths = real_keys.sum(1)
+        if bool((real_keys == (torch.arange(s, device=keep.device) < lengths[:, None])).all()):
+            mask = key_padding(lengths)  # right padding: equal lengths reuse one plan
+        else:
+            mask = from_function(lambda bb, h, q, kv: real_keys[bb, kv])
     local["ring_context"] = RingContext(pg, layout, s, cu, mask)
     return local
 

@@ -39,6 +39,11 @@ def _batch(kind, seqlen):
         labels = ids.masked_fill(keep == 0, -100)
         labels[1, 7] = -100  # predicted by a padding token: no target (see shard_batch)
         batch["labels"] = labels
+    if kind == "right-padding":  # shard_batch's key_padding mask (plans reused across batches)
+        keep = torch.ones(2, seqlen, dtype=torch.long)
+        keep[1, seqlen - 6:] = 0
+        batch["attention_mask"] = keep
+        batch["labels"] = ids.masked_fill(keep == 0, -100)
     return batch
 
 
@@ -73,6 +78,7 @@ CASES = [  # (family, batch kind, layout, world)
     ("llama", "plain", "zigzag", 2),
     ("llama", "plain", "striped", 3),
     ("llama", "left-padding", "zigzag", 3),
+    ("llama", "right-padding", "striped", 2),
     ("llama", "packed", "zigzag", 2),
     ("llama", "packed", "contiguous", 3),
     ("qwen2-sliding", "plain", "zigzag", 2),
