@@ -242,3 +242,46 @@ def test_offline_sharded_target_outputs_equal_one_process(clusters, layout):
     for rank, errs in enumerate(clusters(3).run(run_offline_vs_one_process, layout, timeout=180)):
         bad = {k: v for k, v in errs.items() if not v <= FP32_TOL}
         assert not bad, (rank, bad)
+
+
+def run_step_collectives(seqlen, ttt_steps):
+    """Rank side: the collectives of one training step (target forward, draft forward twice:
+    with a fresh Lookahead set-up and with the cached one, draft backward)."""
+    from collections import Counter
+
+    cfg = small_config(seqlen=seqlen, ttt_steps=ttt_steps)
+    cp_target, _, draft, _ = _models(cfg)
+    batch = next(make_batches(cfg))
+    group = dist.group.WORLD
+    counts = {}
+    with count_collectives() as calls:
+        tgt = run_target(cp_target, batch, group=group, layout="zigzag")
+    counts["target"] = Counter(n for n, _ in calls)
+    for name in ("draft forward, first", "draft forward"):
+        with count_collectives() as calls:
+            res = eagle3_step(draft, tgt, steps=ttt_steps)
+        counts[name] = Counter(n for n, _ in calls)
+    with count_collectives() as calls:
+        res.loss.backward()
+    counts["draft backward"] = Counter(n for n, _ in calls)
+    return counts, cfg.target_layers
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_training_step_collective_counts(clusters, world):
+    """The counts docs/eagle3.md gives, on every rank (zigzag, T = 7, S unique to this test
+    so the Lookahead set-up is not cached yet)."""
+    t = 7
+    for rank, (counts, layers) in enumerate(clusters(world).run(run_step_collectives, 67 + world, t)):
+        # target: per layer one metadata agreement and W - 1 hops; one agreement per tensor
+        # shard_batch / run_target shard (input_ids, position_ids, loss_mask)
+        assert counts["target"] == {"all_gather_single": layers + 3,
+                                    "batch_isend_irecv": layers * (world - 1)}, (rank, counts)
+        # draft: per TTT step one agreement and W - 1 hops; one all_to_all per shifted tensor
+        # (teacher, its top token, in-vocabulary flags, loss mask, ids), 2 more to set up the
+        # Lookahead; one all-reduce of the metrics. Backward: 2W - 1 hops per TTT step.
+        per_step = {"all_gather_single": t, "batch_isend_irecv": t * (world - 1), "all_reduce": 1}
+        assert counts["draft forward, first"] == {**per_step, "all_to_all_single": 7}, (rank, counts)
+        assert counts["draft forward"] == {**per_step, "all_to_all_single": 5}, (rank, counts)
+        assert counts["draft backward"] == {"batch_isend_irecv": t * (2 * world - 1)}, (rank, counts)

@@ -295,6 +295,7 @@ def eagle3_step(draft: Eagle3Draft, tgt: TargetOutputs, *, steps: int = 7,
     teacher = torch.softmax(tgt.logits[..., draft_ids].float(), dim=-1)  # [B, L, Vd]
     in_vocab = draft.t2d[tgt.logits.argmax(-1)]
     ext_teacher = ahead.extend(teacher)
+    ext_top = ahead.extend(teacher.argmax(-1))  # the teacher's top draft token (accuracy)
     ext_in_vocab = ahead.extend(in_vocab, False)
     ext_loss_mask = ahead.extend(tgt.loss_mask.to(torch.bool), False)
     ext_ids = ahead.extend(tgt.input_ids)
@@ -319,8 +320,7 @@ def eagle3_step(draft: Eagle3Draft, tgt: TargetOutputs, *, steps: int = 7,
                                        ext_teacher, 1 + j)
         total = total + decay ** j * loss
         with torch.no_grad():
-            teacher_top = ahead.take(ext_teacher, 1 + j).argmax(-1)
-            correct = ((logits.argmax(-1) == teacher_top) & active).sum()
+            correct = ((logits.argmax(-1) == ahead.take(ext_top, 1 + j)) & active).sum()
             sums[:, j] = torch.stack([loss.double(), correct.double(), counted.sum().double()])
     if tgt.group is not None:  # (gloo: CPU tensors; NCCL: the tensors' GPU)
         dist.all_reduce(sums, group=resolve_group(tgt.group))

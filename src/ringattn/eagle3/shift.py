@@ -52,7 +52,7 @@ class Lookahead:
         world = 1 if self.group is None else dist.get_world_size(self.group)
         rank = 0 if self.group is None else dist.get_rank(self.group)
         lay = get_layout(layout)
-        self.world, self.seqlen, self.width = world, seqlen, width
+        self.world, self.width = world, width
         pos = local_positions(lay, rank, world, seqlen)  # increasing, padding slots >= S
         self.local_len = pos.numel()
         real = pos[pos < seqlen]

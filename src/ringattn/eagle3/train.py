@@ -145,7 +145,7 @@ def shard_ranges(seqlen: int, layout: str, rank: int, world: int) -> list[list[i
     return runs
 
 
-def _describe_ranges(runs, seqlen: int) -> str:
+def _describe_ranges(runs) -> str:
     if len(runs) > 4:
         return f"{len(runs)} positions, every {runs[1][0] - runs[0][0]}th from {runs[0][0]}"
     return " + ".join(f"[{a}, {b})" for a, b in runs)
@@ -249,7 +249,7 @@ def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
     show = progress and rank == 0
     if show:
         for r, (d, c, runs) in enumerate(reports):
-            print(f"rank {r} (dp {d}, cp {c}) holds {_describe_ranges(runs, cfg.seqlen)} "
+            print(f"rank {r} (dp {d}, cp {c}) holds {_describe_ranges(runs)} "
                   f"of S={cfg.seqlen}", flush=True)
     losses, step_loss, step_acc, rates = [], [[] for _ in range(cfg.ttt_steps)], \
         [[] for _ in range(cfg.ttt_steps)], []
