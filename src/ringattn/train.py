@@ -468,6 +468,16 @@ def write_outputs(result: dict, out_dir: str) -> None:
 # ----------------------------------------------------------------------------- processes
 
 
+def leave_together() -> None:
+    """Barrier before tearing the group down, after a run that ended well on every rank.
+
+    Rank 0 writes its outputs after the last collective; a rank that destroys its gloo group
+    and exits meanwhile can make gloo abort the process ("terminate called without an
+    active exception", seen under torchrun), so the ranks leave together.
+    """
+    dist.barrier()
+
+
 def _spawned_rank(rank: int, cfg, world: int, init_file: str, result_path: str,
                   progress: bool, out_dir: str | None, fn) -> None:
     """One rank started by ``spawn`` (the target of ``torch.multiprocessing.spawn``)."""
@@ -479,6 +489,7 @@ def _spawned_rank(rank: int, cfg, world: int, init_file: str, result_path: str,
         if rank == 0:
             with open(result_path, "w") as f:
                 json.dump(result, f)
+        leave_together()
     finally:
         dist.destroy_process_group()
 
@@ -557,7 +568,9 @@ def run_from_args(args: argparse.Namespace) -> dict:
             raise ValueError(f"under torchrun --attn must be {ra_hf.NAME!r}, got {args.attn!r}")
         dist.init_process_group("gloo")
         try:
-            return train(cfg, group=dist.group.WORLD, progress=args.progress, out_dir=args.out)
+            result = train(cfg, group=dist.group.WORLD, progress=args.progress, out_dir=args.out)
+            leave_together()
+            return result
         finally:
             dist.destroy_process_group()
     if args.attn == ra_hf.NAME:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ..comm import metadata_device, resolve_group
 from ..integrations import transformers as ra_hf
 from ..layouts import LAYOUTS, local_positions
-from ..train import peak_rss_mib, plot_curves, spawn
+from ..train import leave_together, peak_rss_mib, plot_curves, spawn
 from .draft import Eagle3Draft, draft_vocabulary, eagle3_step, run_target
 
 __all__ = ["Eagle3Config", "build_target", "build_draft", "make_batches", "train_step",
@@ -328,6 +328,7 @@ def main(argv=None) -> int:
         dist.init_process_group("gloo")
         try:
             train_eagle3(cfg, group=dist.group.WORLD, out_dir=args.out)
+            leave_together()
         finally:
             dist.destroy_process_group()
     else:
