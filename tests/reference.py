@@ -26,16 +26,26 @@ def visible(seqlen: int, causal: bool, window: tuple[int, int]) -> torch.Tensor:
     return ok
 
 
-def attention(q, k, v, ok, scale=None):
-    """Dense attention: q [B,S,H,D], k/v [B,S,Hkv,D], ok [S,S] or [B|1,H|1,S,S] ->
-    out [B,S,H,D], lse [B,H,S]. A row that sees no key gives out = 0 and lse = -inf."""
+def attention(q, k, v, ok, scale=None, softcap=0.0, sinks=None):
+    """Dense attention: q [B,S,H,D], k/v [B,S,Hkv,D|Dv], ok [S,S] or [B|1,H|1,S,S] ->
+    out [B,S,H,Dv], lse [B,H,S]. A row that sees no key gives out = 0 and lse = -inf.
+    ``softcap`` > 0: scores become softcap * tanh(scores / softcap) (Gemma 2). ``sinks`` [H]:
+    one more logit per head in the softmax whose value is 0 (gpt-oss): the scores get a
+    column of sinks, the softmax runs over both, and the column is dropped (its definition)."""
     h, hkv = q.shape[2], k.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     qh = q.transpose(1, 2)
     kh = k.transpose(1, 2).repeat_interleave(h // hkv, dim=1)
     vh = v.transpose(1, 2).repeat_interleave(h // hkv, dim=1)
     s = (qh @ kh.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~ok, float("-inf"))
+    if sinks is not None:
+        col = sinks.to(s.dtype).view(1, h, 1, 1).expand(*s.shape[:3], 1)
+        both = torch.cat([s, col], dim=-1)
+        p = torch.softmax(both, dim=-1)[..., :-1]
+        return (p @ vh).transpose(1, 2), torch.logsumexp(both, dim=-1)
     dead = ~ok.any(-1, keepdim=True)
     # a row that sees nothing: lse = -inf, with a zero (not NaN) gradient
     lse = torch.logsumexp(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead[..., 0], float("-inf"))

@@ -1,7 +1,7 @@
 """Public attention functions and their autograd Function (thin: the work is in ring.py).
 
-Legend: B batch, L local seq (S_pad / W), S global seq, H heads, Hkv kv heads, D head dim,
-W world size.
+Legend: B batch, L local seq (S_pad / W), S global seq, H heads, Hkv kv heads, D head dim
+(Dv of the values), W world size.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import torch.distributed as dist
 
 from .comm import RingComm, agree, metadata_device, resolve_group
 from .kernels import available_kernels, get_kernel
-from .layouts import LAYOUTS, get_layout
+from .layouts import DEFAULT_LAYOUT, LAYOUTS, get_layout
 from .masks import Mask, check_cu_seqlens, document, fingerprint, sliding_window
 from .plan import make_plan
 from .ring import BACKWARD_OVERLAP, Ring, ring_backward, ring_forward
-from .spec import AttnSpec
+from .sharding import SHARD_TAG
+from .spec import AttnSpec, accumulator_dtype
 
 __all__ = ["ring_attention"]
 
@@ -50,12 +51,35 @@ def _fold_lse_grad(q, k, v, dout, out, dlse_BHL):
     return pad
 
 
+def _add_sinks(out_BLHD, lse_BHL, sinks_H):
+    """Fold attention sinks into a finished result: a sink is a key with logit ``sinks[h]``
+    and value 0 in every row's softmax (gpt-oss), so the merge with (out 0, lse sink) gives
+    lse' = logaddexp(lse, sink) and out' = out * exp(lse - lse')."""
+    sink_BHL = sinks_H.to(lse_BHL.dtype).view(1, -1, 1).expand_as(lse_BHL)
+    new_BHL = torch.logaddexp(lse_BHL, sink_BHL)
+    keep = torch.exp(lse_BHL - new_BHL)  # 0 for rows that see no key (lse = -inf)
+    return out_BLHD * keep.transpose(1, 2).unsqueeze(-1), new_BHL
+
+
 class _RingAttention(torch.autograd.Function):
+    """out, lse = attention of this rank's queries over all keys (and the sinks, if any).
+
+    Backward runs the ring against the FINAL out and lse, sinks included: p_ij =
+    exp(s_ij - lse_i) is then each key's true probability, so per-block gradients add up
+    exactly; the sink of head h gets -sum_i p_sink_i (delta_i - dlse_i) over this rank's
+    rows, delta_i = dout_i . out_i (its share: sum it over the group like any parameter).
+    """
+
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, lse_grad: bool):
-        out, lse = ring_forward(q, k, v, ring)
-        if any(ctx.needs_input_grad[:3]):
-            ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, sinks, ring: Ring, lse_grad: bool):
+        if sinks is None:
+            out, lse = ring_forward(q, k, v, ring)
+        else:
+            acc_out, lse = ring_forward(q, k, v, ring, keep_accumulator=True)
+            acc_out, lse = _add_sinks(acc_out, lse, sinks.detach())
+            out = acc_out.to(q.dtype)
+        if any(ctx.needs_input_grad[:4]):
+            ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.ring, ctx.lse_grad = ring, lse_grad
         if not lse_grad:
             ctx.mark_non_differentiable(lse)
@@ -64,7 +88,12 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        with _no_autocast(ctx.saved_tensors[0].device.type):  # backward() may run under it
+            return _RingAttention._backward(ctx, dout, dlse)
+
+    @staticmethod
+    def _backward(ctx, dout, dlse):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         fold = dlse is not None
         if ctx.lse_grad and ctx.ring.comm.world > 1:
@@ -72,15 +101,23 @@ class _RingAttention(torch.autograd.Function):
             flag = torch.tensor([int(fold)], device=metadata_device(ctx.ring.comm.group))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.ring.comm.group)
             fold = bool(flag.item())
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            acc = accumulator_dtype(q.dtype)
+            delta_BHL = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)
+            if dlse is not None:
+                delta_BHL = delta_BHL - torch.where(torch.isfinite(dlse), dlse, 0.0).to(acc)
+            p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse.to(acc))
+            dsinks = -(p_sink * delta_BHL).sum((0, 2)).to(sinks.dtype)
         if not fold:
             dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.ring)
-            return dq, dk, dv, None, None
+            return dq, dk, dv, dsinks, None, None
         if dlse is None:
             dlse = torch.zeros_like(lse)
-        d = q.shape[-1]
+        d, dv_width = q.shape[-1], v.shape[-1]
         padded = _fold_lse_grad(q, k, v, dout, out, dlse)
         dq, dk, dv = ring_backward(padded[3], *padded[:3], padded[4], lse, ctx.ring)
-        return dq[..., :d], dk[..., :d], dv[..., :d], None, None
+        return dq[..., :d], dk[..., :d], dv[..., :dv_width], dsinks, None, None
 
 
 def _float_bits(x: float) -> int:
@@ -96,7 +133,7 @@ def _describe(name: str, value: int) -> str:
         return _DEVICES[value]
     if name == "layout":
         return repr(_LAYOUT_NAMES[value])
-    if name == "softmax_scale":
+    if name in ("softmax_scale", "softcap"):
         return repr(struct.unpack("<d", struct.pack("<q", value))[0])
     if name == "kernel":
         return repr(available_kernels()[value]) if value < len(available_kernels()) else "a custom kernel"
@@ -104,6 +141,8 @@ def _describe(name: str, value: int) -> str:
         return f"a mask with digest {value} (a mask function that reads rank-local data?)"
     if name == "cu_seqlens":
         return "none" if value == -2 else f"cu_seqlens with digest {value}"
+    if name == "sinks":
+        return "no sinks" if value == 0 else "sinks"
     return str(value)
 
 
@@ -119,8 +158,39 @@ def _effective_mask(spec: AttnSpec, mask: Mask | None, cu: tuple[int, ...] | Non
     return result
 
 
+def _dtensor_type():
+    """torch's DTensor class, or None on builds without it (checked once, at import)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch builds without distributed tensors
+        return None
+    return DTensor
+
+
+_DTENSOR = _dtensor_type()
+
+
+def _check_shard_tag(name, t, layout_name, seqlen, cu_digest):
+    """A tensor made by ``ringattn.shard`` must be attended with the layout, S and documents
+    it was sharded with."""
+    tag = getattr(t, SHARD_TAG, None)
+    if tag is None:
+        return
+    made = dict(zip(("layout", "seqlen", "cu_seqlens"), tag))
+    used = {"layout": layout_name, "seqlen": seqlen, "cu_seqlens": cu_digest}
+    for key in made:
+        if made[key] != used[key]:
+            what = {"layout": repr, "seqlen": str,
+                    "cu_seqlens": lambda x: "none" if x == -2 else f"digest {x}"}[key]
+            raise ValueError(
+                f"{name} was sharded by ringattn.shard with {key}={what(made[key])} but is "
+                f"attended with {key}={what(used[key])}; pass the same layout, seqlen and "
+                f"cu_seqlens to shard and ring_attention"
+            )
+
+
 def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seqlen, mask,
-                 cu_seqlens, kernel, backward_overlap, return_lse, pg):
+                 cu_seqlens, kernel, backward_overlap, return_lse, pg, softcap, sinks):
     """Validate this rank's inputs and plan its ring; return (spec, plan, kernel, fields)."""
     world = comm.world
     if backward_overlap not in BACKWARD_OVERLAP:
@@ -128,6 +198,12 @@ def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seql
             f"backward_overlap must be one of {list(BACKWARD_OVERLAP)}, got {backward_overlap!r}"
         )
     for name, t in (("q", q), ("k", k), ("v", v)):
+        if _DTENSOR is not None and isinstance(t, _DTENSOR):
+            raise TypeError(
+                f"{name} is a DTensor (placements {tuple(t.placements)}); ring_attention takes "
+                f"this rank's shard as a plain tensor: pass {name}.to_local() (sharded on the "
+                f"sequence dim with ringattn's layout, as ringattn.shard makes it)"
+            )
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
@@ -140,8 +216,10 @@ def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seql
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"k and v must have the same [B, S_local, Hkv], got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     b, n, h, d = q.shape
     if (k.shape[0], k.shape[1]) != (b, n):
         raise ValueError(
@@ -152,8 +230,19 @@ def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seql
     hkv = k.shape[2]
     if hkv == 0 or h % hkv != 0:
         raise ValueError(f"q has {h} heads, not a multiple of k's {hkv} heads")
-    if b == 0 or n == 0 or d == 0:
-        raise ValueError(f"q has an empty dimension: shape {tuple(q.shape)}")
+    if b == 0 or n == 0 or d == 0 or v.shape[3] == 0:
+        raise ValueError(f"q or v has an empty dimension: shapes {tuple(q.shape)}, {tuple(v.shape)}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
+            raise TypeError(f"sinks must be a float tensor [H], got {type(sinks).__name__}"
+                            + (f" of {sinks.dtype}" if isinstance(sinks, torch.Tensor) else ""))
+        if tuple(sinks.shape) != (h,):
+            raise ValueError(f"sinks must have shape [H]=[{h}] (one logit per query head), "
+                             f"got {tuple(sinks.shape)}")
+        if sinks.device != q.device:
+            raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
+    if isinstance(softcap, (int, float)) and not isinstance(softcap, bool):
+        softcap = float(softcap)
     backend = str(dist.get_backend(pg))
     if (backend == "nccl" and q.device.type != "cuda") or (backend == "gloo" and q.device.type != "cpu"):
         raise ValueError(f"tensors on {q.device} cannot travel over a {backend!r} process group")
@@ -183,25 +272,33 @@ def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seql
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
     spec = AttnSpec(
         causal=causal, window_size=tuple(window_size), softmax_scale=softmax_scale,
-        seqlen=seqlen, layout=lay.name,
+        seqlen=seqlen, layout=lay.name, softcap=softcap,
     )
+    cu_digest = -2 if cu is None else zlib.crc32(repr(cu).encode()) & 0x7FFFFFFF
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_shard_tag(name, t, lay.name, seqlen, cu_digest)
     full_mask = _effective_mask(spec, mask, cu)
     general = full_mask.band is None
-    kern = get_kernel(kernel, q.device, q.dtype, general=general)
+    needs = frozenset(({"softcap"} if spec.softcap else set())
+                      | ({"value_dim"} if v.shape[3] != d else set()))
+    kern = get_kernel(kernel, q.device, q.dtype, general=general, needs=needs)
     digest = fingerprint(full_mask, seqlen, b, h, q.device)
     plan = make_plan(lay, full_mask, world, comm.rank, seqlen, batch=b, heads=h,
                      device=q.device, tile=getattr(kern, "tile", (256, 128)), digest=digest)
     names = available_kernels()
     fields = {
         "batch": b, "local_len": n, "heads": h, "kv_heads": hkv, "head_dim": d,
+        "value_head_dim": v.shape[3], "softcap": _float_bits(spec.softcap),
+        "sinks": int(sinks is not None),
         "dtype": _DTYPES.index(q.dtype), "device": _DEVICES.index(q.device.type),
         "layout": _LAYOUT_NAMES.index(lay.name), "seqlen": seqlen, "causal": int(causal),
         "window_left": spec.window_size[0], "window_right": spec.window_size[1],
         "softmax_scale": _float_bits(softmax_scale),
         "kernel": names.index(kern.name) if kern.name in names else len(names),
-        "needs_grad": int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))),
+        "needs_grad": int(torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, sinks))),
         "mask": digest,
-        "cu_seqlens": -2 if cu is None else zlib.crc32(repr(cu).encode()) & 0x7FFFFFFF,
+        "cu_seqlens": cu_digest,
         "last_step": plan.last_step,
         "return_lse": int(bool(return_lse)),
     }
@@ -209,7 +306,8 @@ def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seql
 
 
 _FIELD_NAMES = (
-    "batch", "local_len", "heads", "kv_heads", "head_dim", "dtype", "device", "layout",
+    "batch", "local_len", "heads", "kv_heads", "head_dim", "value_head_dim", "softcap", "sinks",
+    "dtype", "device", "layout",
     "seqlen", "causal", "window_left", "window_right", "softmax_scale", "kernel", "needs_grad",
     "mask", "cu_seqlens", "last_step", "return_lse",
 )
@@ -224,13 +322,15 @@ def ring_attention(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     softmax_scale: float | None = None,
-    layout: str = "contiguous",
+    layout: str = DEFAULT_LAYOUT,
     seqlen: int | None = None,
     mask: Mask | None = None,
     cu_seqlens=None,
     return_lse: bool = False,
     kernel=None,
     backward_overlap: str = "all",
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ):
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -250,13 +350,20 @@ def ring_attention(
     Arguments:
         q: [B, S_local, H, D] this rank's queries.
         k, v: [B, S_local, Hkv, D] this rank's keys and values; H % Hkv == 0 (GQA/MQA).
-            They travel the ring with their own Hkv heads.
+            They travel the ring with their own Hkv heads. v may have its own head dim Dv
+            (MLA: [B, S_local, Hkv, Dv]); out then has Dv.
+            Under ``torch.autocast`` q, k, v are cast to the autocast dtype (as SDPA is),
+            so q, k, v of mixed dtypes from a model under autocast work; the result is in
+            that dtype. Outside autocast they must share a dtype.
         group: a ProcessGroup, a 1-D DeviceMesh, or None for the default group.
         causal: query i sees key j only if j <= i.
         window_size: (left, right), as in flash-attn: query i sees key j iff
             i - left <= j <= i + right; -1 is unbounded on that side.
         softmax_scale: scale of q.k before the softmax; default 1 / sqrt(D).
-        layout: "contiguous", "zigzag" or "striped": how global tokens were placed on ranks.
+        layout: "zigzag" (the default everywhere: shard, unshard, positions, shard_batch),
+            "contiguous" or "striped": how global tokens were placed on ranks. A tensor
+            made by ``ringattn.shard`` remembers its layout, S and documents; passing it
+            with others raises.
         seqlen: the global S (any value >= 1). Defaults to cu_seqlens[-1], else
             W * S_local. Shards hold ``layout.local_len(S, W)`` tokens; slots past S are
             padding, masked as keys and yielding zeros as queries.
@@ -280,9 +387,17 @@ def ring_attention(
             fewer alive) or "none" (nothing: no receive buffer alive during the kernels;
             leanest, every hop exposed). Measured peaks per rank at W=4 relative to
             "all": "kv" 0.91x, "none" about 0.8x (benchmarks/RESULTS.md); ranks may differ.
+        softcap: > 0 soft-caps the scaled scores to ``softcap * tanh(s / softcap)`` before
+            the softmax (Gemma 2's ``attn_logit_softcapping``; flash-attn's ``softcap``).
+            Computed exactly by the reference kernel (fused SDPA ops cannot; row tiles of
+            256 queries bound its memory).
+        sinks: [H] float tensor (gpt-oss's ``sinks``, differentiable): one extra logit per
+            head in every row's softmax denominator, with value 0 (a row then sums to less
+            than 1). lse includes it. Its gradient on each rank is the share of this rank's
+            queries: sum it over the group, as any parameter's under CP.
 
     Returns:
-        out [B, S_local, H, D] in q's dtype, or (out, lse) with lse [B, H, S_local] float32
+        out [B, S_local, H, Dv] in q's dtype, or (out, lse) with lse [B, H, S_local] float32
         (float64 for float64 inputs; -inf for rows that see no key, such as padding). lse is
         differentiable (for LSE merges such as LongNet's mixture, Eagle3's TTT keys): when
         any rank's lse receives a gradient, the backward carries it in 8 extra head-dim
@@ -292,15 +407,34 @@ def ring_attention(
         TypeError, ValueError: on bad input or when ranks disagree on shapes or options; the
             same error is raised on every rank, before any ring communication.
     """
+    q, k, v = autocast_inputs(q, k, v)
     ring = build_ring(
         q, k, v, group=group, causal=causal, window_size=window_size,
         softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask,
         cu_seqlens=cu_seqlens, return_lse=return_lse, kernel=kernel,
-        backward_overlap=backward_overlap,
+        backward_overlap=backward_overlap, softcap=softcap, sinks=sinks,
     )
     q, k, v = unit_stride(q, k, v)
-    out, lse = _RingAttention.apply(q, k, v, ring, bool(return_lse))
+    with _no_autocast(q.device.type):  # the kernels accumulate in fp32 themselves
+        out, lse = _RingAttention.apply(q, k, v, sinks, ring, bool(return_lse))
     return (out, lse) if return_lse else out
+
+
+def autocast_inputs(q, k, v):
+    """q, k, v in the autocast dtype when autocast is on for their device (as SDPA does:
+    attention is one of autocast's lower-precision ops), else as they are."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return q, k, v  # reported by the checks
+    dev = q.device.type
+    if dev not in _DEVICES or not torch.is_autocast_enabled(dev):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(dev)
+    return tuple(t.to(dtype) if t.dtype.is_floating_point else t for t in (q, k, v))
+
+
+def _no_autocast(device_type: str):
+    """Autocast off around our own ops: the kernels choose their accumulation dtypes."""
+    return torch.autocast(device_type, enabled=False)
 
 
 def unit_stride(*tensors):
@@ -310,8 +444,8 @@ def unit_stride(*tensors):
 
 
 def build_ring(q, k, v, *, group, causal, window_size, softmax_scale, layout, seqlen, mask,
-               cu_seqlens, return_lse, kernel, backward_overlap, extra_fields=(),
-               extra_check=None) -> Ring:
+               cu_seqlens, return_lse, kernel, backward_overlap, softcap=0.0, sinks=None,
+               extra_fields=(), extra_check=None) -> Ring:
     """Validate every rank's inputs, agree on them in one metadata all-gather, plan the ring.
 
     ``extra_check`` (optional) runs inside the validation: it checks a caller's own inputs
@@ -328,7 +462,7 @@ def build_ring(q, k, v, *, group, causal, window_size, softmax_scale, layout, se
         extra = () if extra_check is None else tuple(extra_check())
         spec, plan, kern, checked = _check_local(
             q, k, v, comm, causal, window_size, softmax_scale, layout, seqlen, mask,
-            cu_seqlens, kernel, backward_overlap, return_lse, pg,
+            cu_seqlens, kernel, backward_overlap, return_lse, pg, softcap, sinks,
         )
         checked.update(zip(extra_fields, extra, strict=True))
         fields = checked

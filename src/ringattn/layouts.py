@@ -170,6 +170,11 @@ def _document_segments(cu: tuple[int, ...], world: int, padded: int):
 
 LAYOUTS: dict[str, Layout] = {lay.name: lay for lay in (Contiguous(), Zigzag(), Striped())}
 
+DEFAULT_LAYOUT = "zigzag"
+"""The one default of ``shard``, ``unshard``, ``positions``, ``ring_attention`` and
+``shard_batch``: shards made and attended with defaults always agree, and zigzag balances
+causal work (the common case)."""
+
 
 def get_layout(layout: str | Layout, cu_seqlens: tuple[int, ...] | None = None) -> Layout:
     """Return the layout object for a name (or the object itself).

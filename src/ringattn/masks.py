@@ -28,6 +28,7 @@ __all__ = [
     "document",
     "prefix_lm",
     "key_padding",
+    "chunked",
     "dilated",
     "from_function",
     "full",
@@ -407,6 +408,39 @@ def key_padding(valid_len) -> Mask:
     if bool((t < 0).any()):
         raise ValueError(f"valid_len must be >= 0, got {t.tolist()}")
     return _KeyPadding(tuple(t.tolist()))
+
+
+class _Chunked(Mask):
+    def __init__(self, size: int, offsets: tuple[int, ...] | None):
+        self.args = (size, offsets)
+        self._t = None if offsets is None else torch.tensor(offsets, dtype=torch.int64)
+
+    def key(self):
+        return ("chunked", self.args)
+
+    def __call__(self, b, h, q, kv):
+        size = self.args[0]
+        off = 0 if self._t is None else self._t.to(q.device)[b]
+        return torch.div(q - off, size, rounding_mode="floor") == torch.div(kv - off, size, rounding_mode="floor")
+
+    def __repr__(self):
+        return "chunked(size={}, offsets={})".format(*self.args)
+
+
+def chunked(size: int, offsets=None) -> Mask:
+    """Chunked attention (Llama 4's ``attention_chunk_size``): q sees kv iff both lie in
+    the same chunk of ``size`` positions; and it with ``causal()``.
+
+    Arguments:
+        size: the chunk length, >= 1.
+        offsets: None, or [B] ints: in batch row b chunks start at offsets[b] (mod size),
+            as transformers counts them from the first real token of a left-padded row.
+    """
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"chunked size must be an int >= 1, got {size!r}")
+    if offsets is not None:
+        offsets = tuple(_int_tensor(offsets, "offsets").tolist())
+    return _Chunked(size, offsets)
 
 
 class _Dilated(Mask):

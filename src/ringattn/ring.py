@@ -1,6 +1,7 @@
 """The ring loop: one for forward, one for backward, shared by every layout and mask.
 
-Legend: B batch, L local seq (S_pad / W), H heads, Hkv kv heads, D head dim, W world size.
+Legend: B batch, L local seq (S_pad / W), H heads, Hkv kv heads, D head dim (Dv of the
+values, which may differ: MLA), W world size.
 
 At step t rank r holds the K/V that started on rank (r - t) mod W. Before computing on
 them it posts the hop that passes them on, then asks the plan which blocks to compute.
@@ -42,24 +43,31 @@ class Ring:
     def blocks(self, step: int):
         return self.plan.steps[step]
 
+    @property
+    def kernel_options(self) -> dict:
+        """Keyword arguments for the kernel beyond (q, k, v, scale, mask): only what is
+        used, so kernels that never soft-cap need not take the argument."""
+        return {"softcap": self.spec.softcap} if self.spec.softcap else {}
+
 
 def ring_forward(q_BLHD, k_BLHD, v_BLHD, ring: Ring, keep_accumulator: bool = False):
     """Return (out [B, L, H, D] in q's dtype, lse [B, H, L] float32/float64); out stays in
     the accumulator dtype with ``keep_accumulator`` (for callers that merge more keys in)."""
-    b, n, h, d = q_BLHD.shape
+    b, n, h, _ = q_BLHD.shape
     acc = accumulator_dtype(q_BLHD.dtype)
-    steps, scale = ring.steps, ring.spec.softmax_scale
-    out_BLHD = torch.zeros(b, n, h, d, dtype=acc, device=q_BLHD.device)
+    steps, scale, opts = ring.steps, ring.spec.softmax_scale, ring.kernel_options
+    out_BLHD = torch.zeros(b, n, h, v_BLHD.shape[3], dtype=acc, device=q_BLHD.device)
     lse_BHL = torch.full((b, h, n), float("-inf"), dtype=acc, device=q_BLHD.device)
-    kv = _kv_buffer(k_BLHD, v_BLHD, steps)
+    kv, split = _kv_buffer(k_BLHD, v_BLHD, steps)
     spare = torch.empty_like(kv) if steps > 1 else None
     written: list[tuple[int, int]] = []  # row spans that hold a partial result already
     for step in range(steps):
         hop = ring.comm.hop(kv, spare, RingComm.KV_TAG) if step + 1 < steps else None
+        k_, v_ = split(kv)
         for blk in ring.blocks(step):
             rows, cols = slice(blk.q_start, blk.q_stop), slice(blk.k_start, blk.k_stop)
             o, lse = ring.kernel.forward(
-                q_BLHD[:, rows], kv[0][:, cols], kv[1][:, cols], scale, blk.mask
+                q_BLHD[:, rows], k_[:, cols], v_[:, cols], scale, blk.mask, **opts
             )
             if any(lo < blk.q_stop and blk.q_start < hi for lo, hi in written):
                 merge_(out_BLHD[:, rows], lse_BHL[:, :, rows], o, lse)
@@ -95,24 +103,28 @@ def ring_backward(dout_BLHD, q_BLHD, k_BLHD, v_BLHD, out_BLHD, lse_BHL, ring: Ri
     """
     acc = accumulator_dtype(q_BLHD.dtype)
     steps, scale, overlap = ring.steps, ring.spec.softmax_scale, ring.backward_overlap
+    opts = ring.kernel_options
     dq_BLHD = torch.zeros(q_BLHD.shape, dtype=acc, device=q_BLHD.device)
-    kv = _kv_buffer(k_BLHD, v_BLHD, steps)
+    kv, split = _kv_buffer(k_BLHD, v_BLHD, steps)
+    dk_width = k_BLHD.shape[3]
     spare = torch.empty_like(kv) if steps > 1 and overlap != "none" else None
     grad_hop = None
     for step in range(steps):
         more = step + 1 < steps
         hop = ring.comm.hop(kv, spare, RingComm.KV_TAG) if more and spare is not None else None
         dkv = None  # this step's accumulator, holding the contributions of earlier ranks
-        if step == 0:
-            dkv = torch.zeros((2, *k_BLHD.shape), dtype=acc, device=k_BLHD.device)
+        if step == 0:  # dK and dV side by side on the head dim: [B, L, Hkv, D + Dv]
+            width = dk_width + v_BLHD.shape[3]
+            dkv = torch.zeros((*k_BLHD.shape[:3], width), dtype=acc, device=k_BLHD.device)
         elif overlap != "all":
             dkv = grad_hop.wait()
         pending = []
+        k_, v_ = split(kv)
         for blk in ring.blocks(step):
             rows, cols = slice(blk.q_start, blk.q_stop), slice(blk.k_start, blk.k_stop)
             dq, dk, dv = ring.kernel.backward(
-                dout_BLHD[:, rows], q_BLHD[:, rows], kv[0][:, cols], kv[1][:, cols],
-                out_BLHD[:, rows], lse_BHL[:, :, rows], scale, blk.mask,
+                dout_BLHD[:, rows], q_BLHD[:, rows], k_[:, cols], v_[:, cols],
+                out_BLHD[:, rows], lse_BHL[:, :, rows], scale, blk.mask, **opts,
             )
             dq_BLHD[:, rows] += dq
             pending.append((cols, dk, dv))
@@ -135,17 +147,25 @@ def ring_backward(dout_BLHD, q_BLHD, k_BLHD, v_BLHD, out_BLHD, lse_BHL, ring: Ri
     if grad_hop is not None:
         dkv = grad_hop.wait()  # our own block's gradients, home after a full turn
     dq = dq_BLHD if keep_accumulator else dq_BLHD.to(q_BLHD.dtype)
-    return dq, dkv[0].to(k_BLHD.dtype), dkv[1].to(v_BLHD.dtype)
+    dk, dv = dkv[..., :dk_width], dkv[..., dk_width:]
+    return dq, dk.to(k_BLHD.dtype).contiguous(), dv.to(v_BLHD.dtype).contiguous()
 
 
-def _add_block_grads(dkv, pending) -> None:
-    """Add and release the block gradients in ``pending`` (a list of (cols, dk, dv))."""
+def _add_block_grads(dkv_BLHE, pending) -> None:
+    """Add and release the block gradients in ``pending`` (a list of (cols, dk, dv)) into
+    the [B, L, Hkv, D + Dv] accumulator."""
     for cols, dk, dv in pending:
-        dkv[0, :, cols] += dk
-        dkv[1, :, cols] += dv
+        d = dk.shape[-1]
+        dkv_BLHE[:, cols, :, :d] += dk
+        dkv_BLHE[:, cols, :, d:] += dv
     pending.clear()
 
 
 def _kv_buffer(k_BLHD, v_BLHD, steps):
-    """K and V as one [2, B, L, Hkv, D] message when they travel; as they are otherwise."""
-    return torch.stack((k_BLHD, v_BLHD)) if steps > 1 else (k_BLHD, v_BLHD)
+    """(buffer, split): K and V side by side on the head dim, [B, L, Hkv, D + Dv], as one
+    message when they travel (as they are otherwise), and the function that views any
+    such buffer as (k, v)."""
+    d = k_BLHD.shape[3]
+    if steps == 1:
+        return (k_BLHD, v_BLHD), lambda kv: kv
+    return torch.cat((k_BLHD, v_BLHD), dim=3), lambda kv: (kv[..., :d], kv[..., d:])

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import agree, resolve_group
-from .layouts import LAYOUTS, get_layout, local_positions, restore_index
+from .layouts import DEFAULT_LAYOUT, LAYOUTS, get_layout, local_positions, restore_index
 from .masks import check_cu_seqlens
 
 __all__ = ["shard", "unshard", "positions"]
@@ -116,10 +116,16 @@ def _check(x, dim, layout, seqlen, group, what, local, cu_seqlens):
     except (TypeError, ValueError) as exc:  # reported on every rank by agree()
         error = exc
     agree(pg, fields, error)
-    return pg, lay, seqlen, dim
+    return pg, lay, seqlen, dim, fields["cu_seqlens"]
 
 
-def shard(x: torch.Tensor, *, group=None, layout: str = "contiguous", dim: int = 1,
+SHARD_TAG = "_ringattn_shard"
+"""Attribute ``shard`` sets on its result: (layout name, S, cu_seqlens digest or -2), which
+``ring_attention`` compares with its own arguments, so a shard attended with another layout
+(or S, or documents) is refused instead of computed wrong."""
+
+
+def shard(x: torch.Tensor, *, group=None, layout: str = DEFAULT_LAYOUT, dim: int = 1,
           seqlen: int | None = None, cu_seqlens=None) -> torch.Tensor:
     """This rank's shard of a global tensor, padded when S does not divide the layout.
 
@@ -135,15 +141,20 @@ def shard(x: torch.Tensor, *, group=None, layout: str = "contiguous", dim: int =
 
     Returns:
         The local shard, ``layout.local_len(S, W)`` long on ``dim``; padding slots are zero.
+        It remembers its layout, S and documents: ``ring_attention`` refuses it if called
+        with others (tensors computed from it, e.g. by a projection, do not carry this).
 
     Raises:
         TypeError, ValueError: bad input or ranks that disagree, on every rank.
     """
-    pg, lay, seqlen, dim = _check(x, dim, layout, seqlen, group, "shard", False, cu_seqlens)
-    return _Shard.apply(x, lay, pg, seqlen, dim)
+    pg, lay, seqlen, dim, cu_digest = _check(x, dim, layout, seqlen, group, "shard", False,
+                                             cu_seqlens)
+    out = _Shard.apply(x, lay, pg, seqlen, dim)
+    setattr(out, SHARD_TAG, (lay.name, seqlen, cu_digest))
+    return out
 
 
-def unshard(x: torch.Tensor, *, group=None, layout: str = "contiguous", dim: int = 1,
+def unshard(x: torch.Tensor, *, group=None, layout: str = DEFAULT_LAYOUT, dim: int = 1,
             seqlen: int | None = None, cu_seqlens=None) -> torch.Tensor:
     """Gather all ranks' shards into the global tensor, in global order, padding dropped.
 
@@ -159,11 +170,11 @@ def unshard(x: torch.Tensor, *, group=None, layout: str = "contiguous", dim: int
     Raises:
         TypeError, ValueError: bad input or ranks that disagree, on every rank.
     """
-    pg, lay, seqlen, dim = _check(x, dim, layout, seqlen, group, "unshard", True, cu_seqlens)
+    pg, lay, seqlen, dim, _ = _check(x, dim, layout, seqlen, group, "unshard", True, cu_seqlens)
     return _Unshard.apply(x, lay, pg, seqlen, dim)
 
 
-def positions(seqlen: int, *, group=None, layout: str = "contiguous", cu_seqlens=None,
+def positions(seqlen: int, *, group=None, layout: str = DEFAULT_LAYOUT, cu_seqlens=None,
               device=None):
     """Global position of each of this rank's local slots (for RoPE and position embeddings).
 

@@ -36,8 +36,11 @@ class AttnSpec:
     seqlen: int
     """Global sequence length S, without padding."""
 
-    layout: str = "contiguous"
+    layout: str = "zigzag"
     """Name of the layout that places global tokens on ranks (see ringattn.layouts)."""
+
+    softcap: float = 0.0
+    """Soft-capping of the scaled scores, ``softcap * tanh(s / softcap)`` (Gemma 2); 0: none."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.causal, bool):
@@ -56,6 +59,9 @@ class AttnSpec:
         s = self.softmax_scale
         if not isinstance(s, float) or not math.isfinite(s) or s <= 0:
             raise ValueError(f"softmax_scale must be a finite float > 0, got {s!r}")
+        c = self.softcap
+        if not isinstance(c, float) or not math.isfinite(c) or c < 0:
+            raise ValueError(f"softcap must be a finite float >= 0 (0: no capping), got {c!r}")
         if not isinstance(self.seqlen, int) or isinstance(self.seqlen, bool) or self.seqlen < 1:
             raise ValueError(f"seqlen must be an int >= 1, got {self.seqlen!r}")
 

@@ -22,6 +22,22 @@ def _good():
     return dict(q=q, k=k, v=k.clone(), causal=True, layout="zigzag", seqlen=S)
 
 
+def _dtensor(x):
+    """x as a DTensor sharded on the sequence dim over the world (what FSDP/TP users hold)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    return DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+
+
+def _tagged(x, layout):
+    """x as ``ringattn.shard`` returns a shard made with ``layout`` (same local length)."""
+    g = torch.Generator().manual_seed(1)
+    full = torch.randn(x.shape[0], S, *x.shape[2:], generator=g)
+    return ra.shard(full, layout=layout, seqlen=S)
+
+
 def _everywhere(edit):
     return lambda a, rank: edit(a)
 
@@ -53,7 +69,15 @@ ROWS = [  # (id, edit(args, rank), exception, words)
     ("backward-overlap-unknown-rank2", _on_rank(2, _set(backward_overlap="some")), ValueError,
      "rank 2: backward_overlap must be one of ['all', 'kv', 'none'], got 'some'"),
     ("unknown-kernel", _everywhere(_set(kernel="flash9")), ValueError, "unknown kernel 'flash9'"),
-    ("kv-shape-mismatch", _everywhere(lambda a: a.update(v=a["v"][..., :4].contiguous())), ValueError, "same shape"),
+    ("kv-shape-mismatch", _everywhere(lambda a: a.update(v=a["v"][:, :, :1].contiguous())), ValueError, "same [B, S_local, Hkv]"),
+    ("value-dim-differs-by-rank", _on_rank(1, lambda a: a.update(v=a["v"][..., :4].contiguous())), ValueError, "value_head_dim"),
+    ("softcap-negative", _everywhere(_set(softcap=-1.0)), ValueError, "softcap"),
+    ("softcap-on-one-rank", _on_rank(0, _set(softcap=5.0)), ValueError, "softcap"),
+    ("sinks-wrong-shape", _everywhere(lambda a: a.update(sinks=torch.zeros(3))), ValueError, "sinks must have shape"),
+    ("sinks-on-one-rank", _on_rank(2, lambda a: a.update(sinks=torch.zeros(4))), ValueError, "sinks"),
+    ("sinks-not-tensor", _everywhere(_set(sinks=[0.0] * 4)), TypeError, "sinks must be a float tensor"),
+    ("dtensor-input", _everywhere(lambda a: a.update(q=_dtensor(a["q"]))), TypeError, ".to_local()"),
+    ("layout-differs-from-shard", _everywhere(lambda a: a.update(q=_tagged(a["q"], "striped"))), ValueError, "sharded by ringattn.shard with layout='striped'"),
     ("batch-differs-on-rank2", _on_rank(2, lambda a: a.update(q=a["q"].repeat(2, 1, 1, 1), k=a["k"].repeat(2, 1, 1, 1), v=a["v"].repeat(2, 1, 1, 1))),
      ValueError, "ranks disagree on batch: rank 0 has 1, rank 1 has 1, rank 2 has 2"),
     ("causal-differs", _on_rank(1, _set(causal=False)), ValueError, "ranks disagree on causal"),

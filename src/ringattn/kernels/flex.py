@@ -157,16 +157,20 @@ class FlexKernel:
 
     name = "flex"
     tile = None
+    features = frozenset()
+    """Plain scores only (score_mod soft-capping is not wired in)."""
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return device.type == "cuda" and dtype in (torch.float32, torch.bfloat16, torch.float16)
 
-    def forward(self, q, k, v, scale: float, mask):
+    def forward(self, q, k, v, scale: float, mask, softcap: float = 0.0):
+        if softcap or q.shape[-1] != v.shape[-1]:
+            raise ValueError("flex: no soft-capping or value head dim (the registry picks another kernel)")
         bm = _block_mask(mask, q.shape[1], k.shape[1], q.device)
         out, lse = _flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bm, scale)
         return out.transpose(1, 2), lse.float()
 
-    def backward(self, dout, q, k, v, out, lse, scale: float, mask):
+    def backward(self, dout, q, k, v, out, lse, scale: float, mask, softcap: float = 0.0):
         bm = _block_mask(mask, q.shape[1], k.shape[1], q.device)
         with torch.enable_grad():
             q_, k_, v_ = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))

@@ -1,9 +1,14 @@
-"""Pure-torch block attention: any device, any float dtype, any mask. The oracle and fallback.
+"""Pure-torch block attention: any device, any float dtype, any mask, any score modification.
+The oracle, the fallback, and the exact path for what fused kernels cannot do (soft-capping).
 
-Legend: B batch, Sq query rows, Sk key rows, H heads, Hkv kv heads, G = H / Hkv, D head dim.
+Legend: B batch, Sq query rows, Sk key rows, H heads, Hkv kv heads, G = H / Hkv, D head dim
+(Dv the value head dim, which may differ: MLA).
 
-It materialises the [B, H, Sq, Sk] scores of one block (never of the global sequence), in
-float32 (float64 for float64 inputs).
+It materialises the scores of ROW_TILE query rows at a time ([B, H, ROW_TILE, Sk], in
+float32, float64 for float64 inputs), never of the global sequence nor of a whole block.
+
+Soft-capping (Gemma 2, Grok): the score of a pair is ``cap * tanh(scale * q.k / cap)``;
+its derivative by the raw score is ``1 - tanh^2 = 1 - (s / cap)^2``, applied in backward.
 """
 
 from __future__ import annotations
@@ -13,65 +18,92 @@ import torch
 from ..masks import Band, BlockMask
 from ..spec import accumulator_dtype
 
+ROW_TILE = 256
+"""Query rows per step: bounds the materialised scores to ROW_TILE x Sk per head."""
+
 
 def _expand_kv(x_BSHD: torch.Tensor, groups: int, acc: torch.dtype) -> torch.Tensor:
     """[B, Sk, Hkv, D] -> [B, H, Sk, D] in acc dtype (kv head h // G serves query head h)."""
     return x_BSHD.to(acc).transpose(1, 2).repeat_interleave(groups, dim=1)
 
 
-def _probs(q, k, scale, mask, lse_BHS=None):
-    """Masked scaled scores and, given an lse, the probabilities exp(s - lse)."""
-    acc = accumulator_dtype(q.dtype)
-    groups = q.shape[2] // k.shape[2]
-    q_BHSD = q.to(acc).transpose(1, 2)
-    k_BHSD = _expand_kv(k, groups, acc)
-    s = (q_BHSD @ k_BHSD.transpose(-1, -2)) * scale
+def _visibility(mask, rows: slice, nk: int, device):
+    """Bool visibility of block rows ``rows`` against all Sk columns, or None (all visible)."""
+    if mask is None:
+        return None
     if isinstance(mask, BlockMask):
-        s = s.masked_fill(~mask.dense().to(q.device), float("-inf"))
-    elif mask is not None:
-        ok = mask.dense(range(q.shape[1]), range(k.shape[1]), device=q.device)
-        s = s.masked_fill(~ok, float("-inf"))
-    if lse_BHS is None:
-        lse_BHS = torch.logsumexp(s, dim=-1)
-    # rows with no visible key: lse = -inf; subtracting 0 there keeps exp(-inf) = 0, not NaN
-    safe = torch.where(torch.isfinite(lse_BHS), lse_BHS, 0.0).to(acc)
-    return q_BHSD, k_BHSD, torch.exp(s - safe.unsqueeze(-1)), lse_BHS
+        return mask.dense().to(device)[..., rows, :]
+    return mask.dense(range(rows.start, rows.stop), range(nk), device=device)
+
+
+def _scores(q_BHSD, k_BHSD, scale, softcap, ok):
+    """Masked, scaled (and soft-capped) scores of one row tile."""
+    s = (q_BHSD @ k_BHSD.transpose(-1, -2)) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    return s if ok is None else s.masked_fill(~ok, float("-inf"))
 
 
 class ReferenceKernel:
-    """Dense per-block attention in plain torch ops."""
+    """Dense per-row-tile attention in plain torch ops."""
 
     tile = (256, 128)
     """General masks are classified in tiles of (rows, cols) for this kernel."""
 
     name = "reference"
+    features = frozenset({"softcap", "value_dim"})
+    """Everything: soft-capping, and a value head dim different from the query's."""
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return dtype.is_floating_point
 
-    def forward(self, q, k, v, scale: float, mask: Band | BlockMask | None):
+    def forward(self, q, k, v, scale: float, mask: Band | BlockMask | None, softcap: float = 0.0):
         acc = accumulator_dtype(q.dtype)
-        _, _, p, lse_BHS = _probs(q, k, scale, mask)
-        v_BHSD = _expand_kv(v, q.shape[2] // k.shape[2], acc)
-        out_BSHD = (p @ v_BHSD).transpose(1, 2)
-        return out_BSHD.to(q.dtype), lse_BHS.to(acc)
+        b, sq, h, _ = q.shape
+        groups = h // k.shape[2]
+        k_BHSD, v_BHSD = _expand_kv(k, groups, acc), _expand_kv(v, groups, acc)
+        out_BSHD = torch.empty(b, sq, h, v.shape[3], dtype=q.dtype, device=q.device)
+        lse_BHS = torch.empty(b, h, sq, dtype=acc, device=q.device)
+        for a in range(0, sq, ROW_TILE):
+            rows = slice(a, min(sq, a + ROW_TILE))
+            q_BHSD = q[:, rows].to(acc).transpose(1, 2)
+            s = _scores(q_BHSD, k_BHSD, scale, softcap, _visibility(mask, rows, k.shape[1], q.device))
+            lse = torch.logsumexp(s, dim=-1)
+            # rows with no visible key: lse = -inf; subtracting 0 there keeps exp(-inf) = 0
+            p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
+            out_BSHD[:, rows] = (p @ v_BHSD).transpose(1, 2).to(q.dtype)
+            lse_BHS[:, :, rows] = lse
+        return out_BSHD, lse_BHS
 
-    def backward(self, dout, q, k, v, out, lse, scale: float, mask: Band | BlockMask | None):
+    def backward(self, dout, q, k, v, out, lse, scale: float, mask: Band | BlockMask | None,
+                 softcap: float = 0.0):
         acc = accumulator_dtype(q.dtype)
         b, sk, hkv, d = k.shape
-        groups = q.shape[2] // hkv
-        q_BHSD, k_BHSD, p, _ = _probs(q, k, scale, mask, lse.to(acc))
-        v_BHSD = _expand_kv(v, groups, acc)
-        do_BHSD = dout.to(acc).transpose(1, 2)
-        o_BHSD = out.to(acc).transpose(1, 2)
-        dv = p.transpose(-1, -2) @ do_BHSD
-        dp = do_BHSD @ v_BHSD.transpose(-1, -2)
-        delta = (do_BHSD * o_BHSD).sum(-1, keepdim=True)
-        ds = p * (dp - delta)
-        dq = (ds @ k_BHSD) * scale
-        dk = (ds.transpose(-1, -2) @ q_BHSD) * scale
+        sq, h = q.shape[1], q.shape[2]
+        groups = h // hkv
+        k_BHSD, v_BHSD = _expand_kv(k, groups, acc), _expand_kv(v, groups, acc)
+        dq_BSHD = torch.empty(q.shape, dtype=acc, device=q.device)
+        dk_BHSD = torch.zeros(b, h, sk, d, dtype=acc, device=q.device)
+        dv_BHSD = torch.zeros(b, h, sk, v.shape[3], dtype=acc, device=q.device)
+        lse = lse.to(acc)
+        for a in range(0, sq, ROW_TILE):
+            rows = slice(a, min(sq, a + ROW_TILE))
+            q_BHSD = q[:, rows].to(acc).transpose(1, 2)
+            s = _scores(q_BHSD, k_BHSD, scale, softcap, _visibility(mask, rows, sk, q.device))
+            final = lse[:, :, rows]
+            p = torch.exp(s - torch.where(torch.isfinite(final), final, 0.0).unsqueeze(-1))
+            do_BHSD = dout[:, rows].to(acc).transpose(1, 2)
+            o_BHSD = out[:, rows].to(acc).transpose(1, 2)
+            dv_BHSD += p.transpose(-1, -2) @ do_BHSD
+            dp = do_BHSD @ v_BHSD.transpose(-1, -2)
+            delta = (do_BHSD * o_BHSD).sum(-1, keepdim=True)
+            ds = p * (dp - delta)
+            if softcap:  # d cap*tanh(x/cap) / dx = 1 - tanh^2; masked entries have p = 0
+                ds = ds * (1 - (torch.where(p > 0, s, 0.0) / softcap) ** 2)
+            dq_BSHD[:, rows] = ((ds @ k_BHSD) * scale).transpose(1, 2)
+            dk_BHSD += (ds.transpose(-1, -2) @ q_BHSD) * scale
 
         def fold(x_BHSD):  # sum the G query heads that share a kv head
-            return x_BHSD.reshape(b, hkv, groups, sk, d).sum(2).transpose(1, 2)
+            return x_BHSD.reshape(b, hkv, groups, sk, x_BHSD.shape[-1]).sum(2).transpose(1, 2)
 
-        return dq.transpose(1, 2), fold(dk), fold(dv)
+        return dq_BSHD, fold(dk_BHSD), fold(dv_BHSD)

@@ -7,7 +7,9 @@ The ring loop needs only this protocol:
   Every row passed in sees at least one key.
 * ``backward(dout, q, k, v, out, lse, scale, band) -> (dq, dk, dv)`` against the FINAL out
   and lse of the rows (not this block's), so per-block gradients add up exactly.
-* ``supports(device, dtype) -> bool`` and a ``name``.
+* ``supports(device, dtype) -> bool``, a ``name``, and ``features``: the set of extras it
+  computes exactly, from ``FEATURES`` ("softcap": ``softcap`` > 0 is passed to forward and
+  backward; "value_dim": v's head dim may differ from q's and k's, as in MLA).
 
 ``mask`` is None for an unmasked block, a ``masks.Band`` or a ``masks.BlockMask`` (a block
 of a general mask). ``tile`` says how the plan cuts general masks for this kernel: (rows,
@@ -32,12 +34,17 @@ __all__ = ["Kernel", "available_kernels", "get_kernel"]
 class Kernel(Protocol):
     name: str
     tile: tuple[int, int] | None
+    # optional ``features: frozenset`` (empty when absent)
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool: ...
 
-    def forward(self, q, k, v, scale, mask): ...
+    def forward(self, q, k, v, scale, mask, softcap=0.0): ...
 
-    def backward(self, dout, q, k, v, out, lse, scale, mask): ...
+    def backward(self, dout, q, k, v, out, lse, scale, mask, softcap=0.0): ...
+
+
+FEATURES = ("softcap", "value_dim")
+"""Extras a kernel may support beyond plain masked attention (see the module docstring)."""
 
 
 _KERNELS: dict[str, Kernel] = {
@@ -56,23 +63,25 @@ def available_kernels() -> list[str]:
 
 
 def get_kernel(name: str | Kernel | None, device: torch.device, dtype: torch.dtype,
-               general: bool = False) -> Kernel:
+               general: bool = False, needs: frozenset = frozenset()) -> Kernel:
     """Return the kernel to use on ``device`` for ``dtype``.
 
     Arguments:
         name: None or "auto" (the fastest exact kernel that supports the device and dtype),
             a registered name (see ``available_kernels``), or a ``Kernel`` object.
         general: the mask is not a band (picks flex over the SDPA op on CUDA).
+        needs: names from ``FEATURES`` the call uses (auto picks a kernel that has them).
 
     Raises:
-        ValueError: unknown name, or a named kernel that does not support device/dtype.
+        ValueError: unknown name, or a named kernel that does not support device/dtype or
+            lacks a needed feature.
         TypeError: an object that is neither a name nor a ``Kernel``.
     """
     if name is None or name == "auto":
         for n in _PREFERENCE_GENERAL if general else _PREFERENCE:
-            if _KERNELS[n].supports(device, dtype):
+            if _KERNELS[n].supports(device, dtype) and needs <= _KERNELS[n].features:
                 return _KERNELS[n]
-        raise ValueError(f"no kernel supports {dtype} on {device}")
+        raise ValueError(f"no kernel supports {dtype} on {device} with {sorted(needs)}")
     if isinstance(name, str):
         if name not in _KERNELS:
             raise ValueError(f"unknown kernel {name!r}; choose one of {available_kernels()}")
@@ -83,4 +92,8 @@ def get_kernel(name: str | Kernel | None, device: torch.device, dtype: torch.dty
         raise TypeError(f"kernel must be a name or a Kernel object, got {type(name).__name__}")
     if not kernel.supports(device, dtype):
         raise ValueError(f"kernel {kernel.name!r} does not support {dtype} on {device}")
+    missing = needs - frozenset(getattr(kernel, "features", ()))
+    if missing:
+        raise ValueError(f"kernel {kernel.name!r} cannot compute {sorted(missing)}; "
+                         f"leave kernel=None to pick one that can")
     return kernel

@@ -120,11 +120,25 @@ def _cuda_bwd(dout, q, k, v, out, lse, causal, mask, scale):
     return dq, _fold_heads(dk, hkv), _fold_heads(dv, hkv)
 
 
+def _same_head_dim(q, k, v):
+    """The fused ops want one head dim for q, k and v: zero columns make them equal without
+    changing any score (q, k padded) or any output column that is kept (v padded)."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if d < dv:
+        q, k = (torch.nn.functional.pad(t, (0, dv - d)) for t in (q, k))
+    elif dv < d:
+        v = torch.nn.functional.pad(v, (0, d - dv))
+    return q, k, v
+
+
 class SdpaKernel:
     """One fused-op kernel; ``device_type`` picks torch's CPU or CUDA op."""
 
     tile = (256, 128)
     """General masks are classified in tiles of (rows, cols) for this kernel."""
+
+    features = frozenset({"value_dim"})
+    """A value head dim different from the query's runs padded (MLA); no soft-capping."""
 
     def __init__(self, device_type: str):
         if device_type not in ("cpu", "cuda"):
@@ -155,7 +169,13 @@ class SdpaKernel:
         else:
             raise TypeError(f"{self.name} cannot apply a mask of type {type(mask).__name__}")
 
-    def forward(self, q, k, v, scale: float, mask):
+    def forward(self, q, k, v, scale: float, mask, softcap: float = 0.0):
+        if softcap:
+            raise ValueError(f"{self.name} cannot soft-cap scores (the registry picks another kernel)")
+        d, dv = q.shape[-1], v.shape[-1]
+        if d != dv:
+            out, lse = self.forward(*_same_head_dim(q, k, v), scale, mask)
+            return out[..., :dv], lse
         q_, k_, v_ = (x.transpose(1, 2) for x in (q, k, v))
         b, sq, h, _ = q.shape
         calls = list(self._calls(mask, sq, k.shape[1], q.device))
@@ -175,7 +195,15 @@ class SdpaKernel:
             lse_BHS[:, :, rows] = l
         return out_BSHD, lse_BHS
 
-    def backward(self, dout, q, k, v, out, lse, scale: float, mask):
+    def backward(self, dout, q, k, v, out, lse, scale: float, mask, softcap: float = 0.0):
+        if softcap:
+            raise ValueError(f"{self.name} cannot soft-cap scores (the registry picks another kernel)")
+        d, dv = q.shape[-1], v.shape[-1]
+        if d != dv:
+            wide = max(d, dv)
+            do_w, o_w = (torch.nn.functional.pad(t, (0, wide - dv)) for t in (dout, out))
+            dq, dk, dv_ = self.backward(do_w, *_same_head_dim(q, k, v), o_w, lse, scale, mask)
+            return dq[..., :d], dk[..., :d], dv_[..., :dv]
         q_, k_, v_, do_, o_ = (x.transpose(1, 2) for x in (q, k, v, dout, out))
         lse = lse.to(torch.float32) if q.dtype != torch.float64 else lse
         calls = list(self._calls(mask, q.shape[1], k.shape[1], q.device))
