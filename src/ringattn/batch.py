@@ -22,13 +22,14 @@ import torch
 import torch.distributed as dist
 
 from .comm import metadata_device, resolve_group
+from .layouts import DEFAULT_LAYOUT
 from .masks import Mask, check_cu_seqlens, from_function, key_padding
 from .sharding import positions, shard
 
 __all__ = ["RingContext", "shard_batch", "all_reduce_metrics"]
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class RingContext:
     """What an attention layer needs to run ring attention on one sharded batch."""
 
@@ -40,6 +41,29 @@ class RingContext:
     """Packed documents (flash-attn's offsets), or None."""
     mask: Mask | None = None
     """Key padding of the batch rows (None without padding); and-ed with causal/window."""
+    left_padding: tuple[int, ...] | None = None
+    """Padding tokens before the first real one, per batch row (None: no left padding);
+    masks that count from a row's first token (Llama 4's chunks) need it."""
+    calls: int = 0
+    """Attention calls that used this context (``record_call``): a model that never calls
+    the registered attention function leaves it at 0 (``check_consumed``)."""
+
+    def record_call(self) -> None:
+        self.calls += 1
+
+    def check_consumed(self, model=None) -> None:
+        """Raise if no attention layer ran ring attention with this batch's context.
+
+        Raises:
+            ValueError: the model computed attention some other way (on its shard alone).
+        """
+        if self.calls == 0:
+            what = "the model" if model is None else type(model).__name__
+            raise ValueError(
+                f"{what} ran without calling ring attention: it computes attention itself, so "
+                f"each rank attended over its shard alone (see integrations.transformers."
+                f"check_model)"
+            )
 
     def attention_kwargs(self) -> dict:
         """Keyword arguments for ``ring_attention`` describing this batch."""
@@ -61,7 +85,7 @@ def _documents(batch, seqlen):
     return check_cu_seqlens([*starts, seqlen], seqlen)
 
 
-def shard_batch(batch: dict, *, group=None, layout: str = "zigzag", extra_keys=(),
+def shard_batch(batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, extra_keys=(),
                 ignore_index: int = -100) -> dict:
     """This rank's shard of a causal-LM batch, ready for ``model(**local)``.
 
@@ -131,15 +155,17 @@ def shard_batch(batch: dict, *, group=None, layout: str = "zigzag", extra_keys=(
         local["num_items_in_batch"] = (shifted != ignore_index).sum()
     for key in extra_keys:
         local[key] = shard(batch[key], **kw)
-    mask = None
+    mask, left = None, None
     if keep is not None and bool((keep == 0).any()):
         real_keys = keep.to(torch.bool)
+        leading = (real_keys.cumsum(1) == 0).sum(1)
+        left = tuple(leading.tolist()) if bool((leading > 0).any()) else None
         lengths = real_keys.sum(1)
         if bool((real_keys == (torch.arange(s, device=keep.device) < lengths[:, None])).all()):
             mask = key_padding(lengths)  # right padding: equal lengths reuse one plan
         else:
             mask = from_function(lambda bb, h, q, kv: real_keys[bb, kv])
-    local["ring_context"] = RingContext(pg, layout, s, cu, mask)
+    local["ring_context"] = RingContext(pg, layout, s, cu, mask, left)
     return local
 
 

@@ -1,51 +1,229 @@
 """transformers integration: ring attention as a registered attention implementation.
 
-``register()`` adds "ringattn" to transformers' ``AttentionInterface`` (and a mask function
-that builds no dense mask to ``AttentionMaskInterface``), so any model that calls its
-attention through that interface runs context-parallel with
-``config._attn_implementation = "ringattn"`` (or ``from_pretrained(...,
-attn_implementation="ringattn")``) and a batch from ``ringattn.shard_batch``:
+``register()`` adds "ringattn" to transformers' ``AttentionInterface`` and a mask function to
+``AttentionMaskInterface``, so any model that calls its attention through that interface
+runs context-parallel with ``config._attn_implementation = "ringattn"`` (or
+``from_pretrained(..., attn_implementation="ringattn")``) and a batch from
+``ringattn.shard_batch``:
 
     from ringattn.integrations import transformers as ra_hf
     ra_hf.register()
     model = LlamaForCausalLM(config)            # config._attn_implementation = "ringattn"
+    ra_hf.check_model(model)                    # refuses models ring attention cannot serve
     out = model(**ra.shard_batch(batch, group=cp_group, layout="zigzag"))
 
 Nothing is patched: the batch's ``RingContext`` travels through the model's own kwargs.
-A model's sliding window (Mistral, Qwen2: ``sliding_window`` W means keys q-W < kv <= q)
-reaches the ring as ``window_size=(W - 1, -1)``; it is never dropped.
+
+Exact or refused. Every argument a model gives its attention function is honoured or the
+call raises a TypeError naming it; nothing is dropped:
+
+* ``scaling``, ``dropout`` (0 only), ``is_causal``;
+* ``sliding_window`` W (Mistral, Qwen2: keys q-W < kv <= q) -> ``window_size=(W - 1, 0)``;
+* ``softcap`` (Gemma 2's ``attn_logit_softcapping``) -> ring soft-capping (reference kernel);
+* ``s_aux`` (gpt-oss's sinks) -> ring ``sinks`` (differentiable);
+* a value head dim different from the query's (MLA: DeepSeek V2/V3) -> native;
+* the masks a model asks transformers for: causal, sliding window (also when the model
+  expresses its window only through the mask, as Qwen2-MoE and PhiMoE do), bidirectional,
+  Llama 4's chunked attention; a mask with a custom overlay, or a dense mask tensor (a
+  learned mask, as Doge's), is refused;
+* per-call model kwargs that are not attention arguments (``position_ids``,
+  ``num_items_in_batch``, ...; ``NOT_ATTENTION_KWARGS``) are ignored.
+
+``check_model`` refuses what the attention function alone cannot see: model classes that
+compute attention themselves (``is_backend_compatible()`` False: bloom, codegen, xglm, ...),
+and models whose other sequence layers (state-space, linear attention, convolution) or
+losses (router auxiliary losses) would see only the local shard. The attention function
+runs the configuration checks too, on every call.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..api import ring_attention
+from ..masks import chunked
+
+__all__ = ["NAME", "ModelMask", "check_model", "register", "ring_attention_forward"]
 
 NAME = "ringattn"
 
+NOT_ATTENTION_KWARGS = frozenset({
+    "position_ids", "cache_position", "use_cache", "num_items_in_batch", "shift_labels",
+    "labels", "output_hidden_states", "return_dict", "past_key_values", "layer_idx",
+})
+"""Model kwargs that reach the attention function but do not change what it computes."""
+
+_ATTENTION_LAYER_TYPES = frozenset({
+    "full_attention", "sliding_attention", "chunked_attention", "attention", "global",
+    "local", "full", "sliding",
+})
+"""Entries of a config's per-layer type list that are attention layers."""
+
+_LAYER_TYPE_FIELDS = ("layer_types", "block_types", "layers_block_type", "layer_block_types")
+
+_SEQUENCE_MIXERS = frozenset({
+    "jamba", "bamba", "falcon_h1", "falcon_mamba", "mamba", "mamba2", "zamba", "zamba2",
+    "recurrent_gemma", "lfm2", "lfm2_moe", "lfm2_vl", "qwen3_next", "minimax",
+    "granitemoehybrid", "nemotron_h", "rwkv", "xlstm", "plamo2", "kimi_linear",
+})
+"""Families with non-attention sequence layers, for configs that list no layer types."""
+
+
+def _config_problem(config) -> str | None:
+    """Why ring attention cannot give this model's exact result, or None."""
+    name = getattr(config, "model_type", type(config).__name__)
+    for field in _LAYER_TYPE_FIELDS:
+        kinds = getattr(config, field, None)
+        if isinstance(kinds, (list, tuple)):
+            other = sorted({str(k) for k in kinds} - _ATTENTION_LAYER_TYPES)
+            if other:
+                return (f"{name} has {field} {other}: those sequence layers would see only this "
+                        f"rank's shard of the sequence, not the whole of it")
+    if name in _SEQUENCE_MIXERS:
+        return (f"{name} has sequence layers other than attention (state-space, linear "
+                f"attention or convolution), which would see only this rank's shard")
+    if getattr(config, "output_router_logits", False):
+        return (f"{name} adds a router auxiliary loss (output_router_logits=True), which each "
+                f"rank would normalise over its own tokens; set output_router_logits=False")
+    return None
+
+
+def check_model(model) -> None:
+    """Refuse a model that ring attention cannot run exactly on shards.
+
+    Raises:
+        ValueError: the model class computes attention itself (never calls the registered
+            function), or has non-attention sequence layers or per-rank losses.
+    """
+    if hasattr(model, "is_backend_compatible") and not model.is_backend_compatible():
+        raise ValueError(
+            f"{type(model).__name__} computes attention itself instead of calling transformers' "
+            f"attention interface, so attn_implementation={NAME!r} would never run and every "
+            f"rank would attend over its shard alone"
+        )
+    problem = _config_problem(getattr(model, "config", None))
+    if problem is not None:
+        raise ValueError(f"ring attention cannot run {type(model).__name__} exactly: {problem}")
+
+
+@dataclass(frozen=True)
+class ModelMask:
+    """What a model asked transformers' mask creation for, instead of a dense mask.
+
+    The ring builds its masks in global positions from this and the batch's RingContext.
+    """
+
+    kind: str
+    """"causal", "bidirectional", "sliding", "bidirectional-sliding" or "chunked"."""
+    size: int | None = None
+    """The window (sliding) or chunk (chunked) length."""
+    custom: bool = False
+    """The model overlaid a mask function of its own (or_mask/and_mask): not translatable."""
+    padded: bool = False
+    """A 2-D attention_mask reached the model (padding must go through shard_batch)."""
+
+
+def _model_mask(*, mask_function=None, local_size=None, config=None, attention_mask=None,
+                use_vmap=False, allow_is_bidirectional_skip=None, **kwargs) -> ModelMask:
+    """AttentionMaskInterface function: describe the requested mask, build nothing."""
+    bidirectional = allow_is_bidirectional_skip is not None
+    if local_size is None:
+        kind = "bidirectional" if bidirectional else "causal"
+    elif bidirectional:
+        kind = "bidirectional-sliding"
+    else:
+        chunk = getattr(config, "attention_chunk_size", None)
+        window = getattr(config, "sliding_window", None)
+        kind = "chunked" if chunk == local_size and window != local_size else "sliding"
+        if chunk == local_size and window == local_size:
+            kind = "ambiguous"
+    return ModelMask(kind, local_size, custom=bool(use_vmap), padded=attention_mask is not None)
+
+
+def _ring_arguments(module, attention_mask, sliding_window, is_causal, ring_context):
+    """(causal, window_size, extra mask) for the ring from what the model asked for."""
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    window = (-1, -1) if not sliding_window else (int(sliding_window) - 1, 0)
+    mask = None
+    if attention_mask is None:
+        return causal, window, mask
+    if not isinstance(attention_mask, ModelMask):
+        raise TypeError(
+            f"ring attention got a dense attention_mask ({type(attention_mask).__name__}) from "
+            f"{type(module).__name__}: a mask the model computes itself cannot be sharded; "
+            f"padding and documents go through ringattn.shard_batch"
+        )
+    if attention_mask.custom:
+        raise TypeError(f"{type(module).__name__} overlays its own mask function on the "
+                        f"{attention_mask.kind} mask; ring attention cannot translate it")
+    if attention_mask.padded:
+        raise ValueError("the model was given an attention_mask; pass padding through "
+                         "ringattn.shard_batch (its ring_context masks padded keys)")
+    kind, size = attention_mask.kind, attention_mask.size
+    if kind == "ambiguous":
+        raise ValueError(f"cannot tell the sliding window from the chunk size ({size})")
+    if kind in ("bidirectional", "bidirectional-sliding"):
+        causal = False
+    if kind == "sliding":
+        causal = True
+        wanted = (size - 1, 0)
+        if window != (-1, -1) and window != wanted:
+            raise ValueError(f"{type(module).__name__} passes sliding_window={sliding_window} "
+                             f"but its mask has a window of {size}")
+        window = wanted
+    elif kind == "bidirectional-sliding":
+        window = (size, size)
+    elif kind == "chunked":
+        causal = True
+        mask = chunked(size, ring_context.left_padding)
+    return causal, window, mask
+
 
 def ring_attention_forward(module, query, key, value, attention_mask=None, dropout=0.0,
-                           scaling=None, sliding_window=None, ring_context=None, **kwargs):
-    """transformers attention function: query [B, H, L, D], key/value [B, Hkv, L, D] ->
-    ([B, L, H, D], None)."""
+                           scaling=None, sliding_window=None, softcap=None, s_aux=None,
+                           is_causal=None, ring_context=None, output_attentions=False,
+                           head_mask=None, **kwargs):
+    """transformers attention function: query [B, H, L, D], key [B, Hkv, L, D], value
+    [B, Hkv, L, Dv] -> ([B, L, H, Dv], None).
+
+    Raises:
+        TypeError: an argument ring attention does not implement (named), or a mask it
+            cannot translate. ValueError: no ring context, dropout, or a model that
+            ``check_model`` refuses.
+    """
     if ring_context is None:
         raise ValueError(
             "attn_implementation='ringattn' needs the batch's ring_context: call the model "
             "with the dict from ringattn.shard_batch(batch, group=...)"
         )
+    unknown = sorted(k for k, v in kwargs.items() if k not in NOT_ATTENTION_KWARGS and v is not None)
+    if unknown:
+        raise TypeError(f"ring attention does not implement the attention argument(s) "
+                        f"{unknown} that {type(module).__name__} passes")
     if dropout:
         raise ValueError(f"ring attention has no attention dropout, got dropout={dropout}")
-    window = (-1, -1) if not sliding_window else (int(sliding_window) - 1, -1)
+    if output_attentions or head_mask is not None:
+        raise TypeError("ring attention returns no attention weights and takes no head_mask")
+    problem = _config_problem(getattr(module, "config", None))
+    if problem is not None:
+        raise ValueError(f"ring attention cannot run this model exactly: {problem}")
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        raise ValueError(
+            f"{type(module).__name__} scales its queries by position (attn_temperature_tuning) "
+            f"from arange(local length), not the global positions; disable it for ring attention"
+        )
+    causal, window, mask = _ring_arguments(module, attention_mask, sliding_window, is_causal,
+                                           ring_context)
+    kw = ring_context.attention_kwargs()
+    if mask is not None:
+        kw["mask"] = mask if kw["mask"] is None else kw["mask"] & mask
     out = ring_attention(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-        causal=bool(getattr(module, "is_causal", True)), window_size=window,
-        softmax_scale=scaling, **ring_context.attention_kwargs(),
+        causal=causal, window_size=window, softmax_scale=scaling,
+        softcap=float(softcap) if softcap else 0.0, sinks=s_aux, **kw,
     )
+    ring_context.record_call()
     return out, None
-
-
-def _no_dense_mask(*args, **kwargs):
-    """The ring builds its masks from the RingContext; the model needs no [B, 1, S, S] mask."""
-    return None
 
 
 def register(name: str = NAME) -> str:
@@ -54,5 +232,5 @@ def register(name: str = NAME) -> str:
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(name, ring_attention_forward)
-    AttentionMaskInterface.register(name, _no_dense_mask)
+    AttentionMaskInterface.register(name, _model_mask)
     return name
