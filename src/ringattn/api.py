@@ -16,7 +16,8 @@ import torch.distributed as dist
 from .comm import RingComm, agree, metadata_device, resolve_group
 from .kernels import available_kernels, get_kernel
 from .layouts import DEFAULT_LAYOUT, LAYOUTS, get_layout
-from .masks import Mask, check_cu_seqlens, document, fingerprint, sliding_window
+from .masks import (Mask, check_cu_seqlens, document, fingerprint, mask_key, registered_mask,
+                    sliding_window)
 from .plan import make_plan
 from .ring import BACKWARD_OVERLAP, Ring, ring_backward, ring_forward
 from .sharding import SHARD_TAG
@@ -61,23 +62,57 @@ def _add_sinks(out_BLHD, lse_BHL, sinks_H):
     return out_BLHD * keep.transpose(1, 2).unsqueeze(-1), new_BHL
 
 
-class _RingAttention(torch.autograd.Function):
-    """out, lse = attention of this rank's queries over all keys (and the sinks, if any).
+def attention_forward(q, k, v, sinks, ring: Ring):
+    """(out, lse) of this rank's queries over every key of the ring (and the sinks)."""
+    if sinks is None:
+        return ring_forward(q, k, v, ring)
+    acc_out, lse = ring_forward(q, k, v, ring, keep_accumulator=True)
+    acc_out, lse = _add_sinks(acc_out, lse, sinks.detach())
+    return acc_out.to(q.dtype), lse
 
-    Backward runs the ring against the FINAL out and lse, sinks included: p_ij =
-    exp(s_ij - lse_i) is then each key's true probability, so per-block gradients add up
-    exactly; the sink of head h gets -sum_i p_sink_i (delta_i - dlse_i) over this rank's
-    rows, delta_i = dout_i . out_i (its share: sum it over the group like any parameter).
+
+def attention_backward(ring: Ring, lse_grad: bool, q, k, v, out, lse, sinks, dout, dlse,
+                       need_dsinks: bool):
+    """(dq, dk, dv, dsinks or None) for upstream gradients ``dout`` and ``dlse`` (either may
+    be None), against the final out and lse (sinks included).
+
+    The ring runs against the FINAL out and lse: p_ij = exp(s_ij - lse_i) is then each
+    key's true probability, so per-block gradients add up exactly; the sink of head h gets
+    -sum_i p_sink_i (delta_i - dlse_i) over this rank's rows, delta_i = dout_i . out_i (its
+    share: sum it over the group like any parameter's). With ``lse_grad`` every rank takes
+    part in one small all-reduce that decides whether any rank has an lse gradient.
     """
+    dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+    fold = dlse is not None
+    if lse_grad and ring.comm.world > 1:
+        # every rank must send the same shapes: fold if any rank has an lse gradient
+        flag = torch.tensor([int(fold)], device=metadata_device(ring.comm.group))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ring.comm.group)
+        fold = bool(flag.item())
+    dsinks = None
+    if sinks is not None and need_dsinks:
+        acc = accumulator_dtype(q.dtype)
+        delta_BHL = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)
+        if dlse is not None:
+            delta_BHL = delta_BHL - torch.where(torch.isfinite(dlse), dlse, 0.0).to(acc)
+        p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse.to(acc))
+        dsinks = -(p_sink * delta_BHL).sum((0, 2)).to(sinks.dtype)
+    if not fold:
+        return (*ring_backward(dout, q, k, v, out, lse, ring), dsinks)
+    if dlse is None:
+        dlse = torch.zeros_like(lse)
+    d, dv_width = q.shape[-1], v.shape[-1]
+    padded = _fold_lse_grad(q, k, v, dout, out, dlse)
+    dq, dk, dv = ring_backward(padded[3], *padded[:3], padded[4], lse, ring)
+    return dq[..., :d], dk[..., :d], dv[..., :dv_width], dsinks
+
+
+class _RingAttention(torch.autograd.Function):
+    """out, lse = attention of this rank's queries over all keys (and the sinks, if any)."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, ring: Ring, lse_grad: bool):
-        if sinks is None:
-            out, lse = ring_forward(q, k, v, ring)
-        else:
-            acc_out, lse = ring_forward(q, k, v, ring, keep_accumulator=True)
-            acc_out, lse = _add_sinks(acc_out, lse, sinks.detach())
-            out = acc_out.to(q.dtype)
+        out, lse = attention_forward(q, k, v, sinks, ring)
         if any(ctx.needs_input_grad[:4]):
             ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.ring, ctx.lse_grad = ring, lse_grad
@@ -88,36 +123,11 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        with _no_autocast(ctx.saved_tensors[0].device.type):  # backward() may run under it
-            return _RingAttention._backward(ctx, dout, dlse)
-
-    @staticmethod
-    def _backward(ctx, dout, dlse):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        fold = dlse is not None
-        if ctx.lse_grad and ctx.ring.comm.world > 1:
-            # every rank must send the same shapes: fold if any rank has an lse gradient
-            flag = torch.tensor([int(fold)], device=metadata_device(ctx.ring.comm.group))
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.ring.comm.group)
-            fold = bool(flag.item())
-        dsinks = None
-        if sinks is not None and ctx.needs_input_grad[3]:
-            acc = accumulator_dtype(q.dtype)
-            delta_BHL = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)
-            if dlse is not None:
-                delta_BHL = delta_BHL - torch.where(torch.isfinite(dlse), dlse, 0.0).to(acc)
-            p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse.to(acc))
-            dsinks = -(p_sink * delta_BHL).sum((0, 2)).to(sinks.dtype)
-        if not fold:
-            dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.ring)
-            return dq, dk, dv, dsinks, None, None
-        if dlse is None:
-            dlse = torch.zeros_like(lse)
-        d, dv_width = q.shape[-1], v.shape[-1]
-        padded = _fold_lse_grad(q, k, v, dout, out, dlse)
-        dq, dk, dv = ring_backward(padded[3], *padded[:3], padded[4], lse, ctx.ring)
-        return dq[..., :d], dk[..., :d], dv[..., :dv_width], dsinks, None, None
+        with _no_autocast(q.device.type):  # backward() may run under autocast
+            grads = attention_backward(ctx.ring, ctx.lse_grad, q, k, v, out, lse, sinks, dout,
+                                       dlse, ctx.needs_input_grad[3])
+        return (*grads, None, None)
 
 
 def _float_bits(x: float) -> int:
@@ -246,6 +256,8 @@ def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seql
     backend = str(dist.get_backend(pg))
     if (backend == "nccl" and q.device.type != "cuda") or (backend == "gloo" and q.device.type != "cpu"):
         raise ValueError(f"tensors on {q.device} cannot travel over a {backend!r} process group")
+    if isinstance(mask, int) and not isinstance(mask, bool):
+        mask = None if mask < 0 else registered_mask(mask)
     if mask is not None and not isinstance(mask, Mask):
         raise TypeError(f"mask must be a ringattn.masks.Mask (see ringattn.masks.from_function), "
                         f"got {type(mask).__name__}")
@@ -367,7 +379,9 @@ def ring_attention(
         seqlen: the global S (any value >= 1). Defaults to cu_seqlens[-1], else
             W * S_local. Shards hold ``layout.local_len(S, W)`` tokens; slots past S are
             padding, masked as keys and yielding zeros as queries.
-        mask: a ``ringattn.masks.Mask``: any function of GLOBAL (batch, head, q_pos,
+        mask: a ``ringattn.masks.Mask`` (or its int key from ``masks.mask_key``, which is
+            what compiled code should pass: a graph guards on the int's value, not on the
+            mask object): any function of GLOBAL (batch, head, q_pos,
             kv_pos), e.g. ``masks.document(cu) & masks.causal()``, ``masks.prefix_lm(n)``,
             ``masks.dilated(...)`` or ``masks.from_function(mask_mod)``. It is and-ed with
             ``causal``/``window_size`` and the document mask of ``cu_seqlens``. Blocks are
@@ -408,6 +422,18 @@ def ring_attention(
             same error is raised on every rank, before any ring communication.
     """
     q, k, v = autocast_inputs(q, k, v)
+    if torch.compiler.is_compiling():  # opaque custom ops: see ringattn.ops
+        if kernel is not None and not isinstance(kernel, str):
+            raise TypeError("under torch.compile, kernel must be a name or None")
+        out, lse = compiled_ring_attention(
+            q, k, v, group_name=resolve_group(group).group_name, causal=causal,
+            window_size=window_size,
+            softmax_scale=1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale),
+            layout=layout, seqlen=seqlen, cu_seqlens=cu_seqlens,
+            mask_key=mask if isinstance(mask, int) else mask_key(mask),
+            return_lse=bool(return_lse), kernel=kernel or "auto",
+            backward_overlap=backward_overlap, softcap=float(softcap), sinks=sinks)
+        return (out, lse) if return_lse else out
     ring = build_ring(
         q, k, v, group=group, causal=causal, window_size=window_size,
         softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask,
@@ -470,3 +496,7 @@ def build_ring(q, k, v, *, group, causal, window_size, softmax_scale, layout, se
         error = exc
     last = agree(pg, fields, error, _describe, reduce=("last_step",))["last_step"]
     return Ring(comm, spec, plan, kern, last + 1, backward_overlap)
+
+
+# the custom ops build on the functions above (torch.compile's entry into the ring)
+from .ops import compiled_ring_attention  # noqa: E402

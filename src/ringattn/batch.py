@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .comm import metadata_device, resolve_group
 from .layouts import DEFAULT_LAYOUT
-from .masks import Mask, check_cu_seqlens, from_function, key_padding
+from .masks import Mask, check_cu_seqlens, key_mask, key_padding, mask_key
 from .sharding import positions, shard
 
 __all__ = ["RingContext", "shard_batch", "all_reduce_metrics"]
@@ -44,9 +44,15 @@ class RingContext:
     left_padding: tuple[int, ...] | None = None
     """Padding tokens before the first real one, per batch row (None: no left padding);
     masks that count from a row's first token (Llama 4's chunks) need it."""
+    mask_key: int = -1
+    """``masks.mask_key(mask)``, set on creation: compiled code passes masks by key."""
     calls: int = 0
     """Attention calls that used this context (``record_call``): a model that never calls
     the registered attention function leaves it at 0 (``check_consumed``)."""
+
+    def __post_init__(self) -> None:
+        self.mask_key = mask_key(self.mask)
+        self.group_name = self.group.group_name
 
     def record_call(self) -> None:
         self.calls += 1
@@ -66,9 +72,10 @@ class RingContext:
             )
 
     def attention_kwargs(self) -> dict:
-        """Keyword arguments for ``ring_attention`` describing this batch."""
+        """Keyword arguments for ``ring_attention`` describing this batch (the mask by its
+        key, so a compiled model guards on an int, not on a new mask object per batch)."""
         return dict(group=self.group, layout=self.layout, seqlen=self.seqlen,
-                    cu_seqlens=self.cu_seqlens, mask=self.mask)
+                    cu_seqlens=self.cu_seqlens, mask=self.mask_key)
 
 
 def _documents(batch, seqlen):
@@ -164,7 +171,7 @@ def shard_batch(batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, extra_
         if bool((real_keys == (torch.arange(s, device=keep.device) < lengths[:, None])).all()):
             mask = key_padding(lengths)  # right padding: equal lengths reuse one plan
         else:
-            mask = from_function(lambda bb, h, q, kv: real_keys[bb, kv])
+            mask = key_mask(real_keys)  # value-keyed too: equal padding reuses one plan
     local["ring_context"] = RingContext(pg, layout, s, cu, mask, left)
     return local
 

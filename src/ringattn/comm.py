@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["RingComm", "Hop", "agree", "metadata_device", "resolve_group"]
+__all__ = ["RingComm", "Hop", "agree", "group_by_name", "metadata_device", "resolve_group"]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns);
 # older releases only have the old name.
@@ -40,6 +40,18 @@ def resolve_group(group) -> dist.ProcessGroup:
     raise TypeError(
         f"group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(group).__name__}"
     )
+
+
+def group_by_name(name: str) -> dist.ProcessGroup:
+    """The process group registered under ``name`` (``ProcessGroup.group_name``).
+
+    Custom ops take plain values only, so compiled code passes groups by name. torch has no
+    public lookup by name; its functional collectives resolve names with this private
+    function (torch >= 2.3), which is therefore used here and nowhere else.
+    """
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
 
 
 class Hop:

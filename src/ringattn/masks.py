@@ -17,6 +17,7 @@ import zlib
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from .layouts import Segment
@@ -28,6 +29,7 @@ __all__ = [
     "document",
     "prefix_lm",
     "key_padding",
+    "key_mask",
     "chunked",
     "dilated",
     "from_function",
@@ -410,6 +412,40 @@ def key_padding(valid_len) -> Mask:
     return _KeyPadding(tuple(t.tolist()))
 
 
+class _KeyMask(Mask):
+    def __init__(self, real_BS: torch.Tensor):
+        self._real = real_BS
+        bits = np.packbits(real_BS.numpy())
+        self._key = ("key_mask", tuple(real_BS.shape), bits.tobytes())
+        self._on: dict = {}
+
+    def key(self):
+        return self._key
+
+    def __call__(self, b, h, q, kv):
+        dev = kv.device
+        if dev not in self._on:
+            self._on[dev] = self._real.to(dev)
+        return self._on[dev][b, kv]
+
+    def __repr__(self):
+        return f"key_mask({list(self._real.shape)}, {int(self._real.sum())} real keys)"
+
+
+def key_mask(real) -> Mask:
+    """Any key padding: in batch row b, key kv is visible iff ``real[b, kv]``.
+
+    Left padding, or holes anywhere; right padding is ``key_padding``. Masks with equal
+    bits are equal (value-keyed), so batches with the same padding reuse one plan.
+
+    Arguments:
+        real: [B, S] bool (or 0/1 integer) tensor over GLOBAL positions.
+    """
+    if not isinstance(real, torch.Tensor) or real.dim() != 2:
+        raise TypeError(f"key_mask takes a [B, S] tensor, got {type(real).__name__}")
+    return _KeyMask(real.detach().to("cpu", torch.bool).contiguous())
+
+
 class _Chunked(Mask):
     def __init__(self, size: int, offsets: tuple[int, ...] | None):
         self.args = (size, offsets)
@@ -496,6 +532,52 @@ def from_function(fn) -> Mask:
     if not callable(fn):
         raise TypeError(f"from_function takes a callable mask_mod, got {type(fn).__name__}")
     return _Function(fn)
+
+
+_REGISTRY: dict[Mask, int] = {}
+_BY_KEY: dict[int, Mask] = {}
+
+
+@torch.compiler.assume_constant_result
+def mask_key(mask: Mask | None) -> int:
+    """An int standing for ``mask`` in the custom ops' plain arguments (-1 for None).
+
+    Masks equal by value (``Mask.key``) share a key, so a compiled graph specialises on what
+    a mask computes: a new mask value compiles once more, the same value does not. Keys
+    live as long as the process (a mask is small; its plans are cached separately).
+    """
+    if mask is None:
+        return -1
+    if mask not in _REGISTRY:
+        _REGISTRY[mask] = len(_REGISTRY)
+        _BY_KEY[_REGISTRY[mask]] = mask
+    return _REGISTRY[mask]
+
+
+def registered_mask(key: int) -> Mask:
+    """The mask ``mask_key`` gave ``key`` for.
+
+    Raises:
+        ValueError: no mask has that key.
+    """
+    if key not in _BY_KEY:
+        raise ValueError(f"no mask has key {key!r} (keys come from ringattn.masks.mask_key)")
+    return _BY_KEY[key]
+
+
+@torch.compiler.assume_constant_result
+def and_keys(key_a: int, key_b: int) -> int:
+    """The key of ``registered_mask(key_a) & registered_mask(key_b)`` (-1 stands for no
+    mask). Plain ints in and out, so compiled code guards on values, not mask objects."""
+    if key_a < 0 or key_b < 0:
+        return max(key_a, key_b)
+    return mask_key(registered_mask(key_a) & registered_mask(key_b))
+
+
+@torch.compiler.assume_constant_result
+def chunked_key(size: int, offsets: tuple[int, ...] | None) -> int:
+    """The key of ``chunked(size, offsets)`` (plain values in, for compiled code)."""
+    return mask_key(chunked(size, offsets))
 
 
 def evaluate(mask: Mask, seqlen: int, q_pos: torch.Tensor, kv_pos: torch.Tensor,

@@ -9,8 +9,8 @@ runs context-parallel with ``config._attn_implementation = "ringattn"`` (or
     from ringattn.integrations import transformers as ra_hf
     ra_hf.register()
     model = LlamaForCausalLM(config)            # config._attn_implementation = "ringattn"
-    ra_hf.check_model(model)                    # refuses models ring attention cannot serve
-    out = model(**ra.shard_batch(batch, group=cp_group, layout="zigzag"))
+    local = ra_hf.prepare_batch(model, batch, group=cp_group)   # check_model + shard_batch
+    out = model(**local)
 
 Nothing is patched: the batch's ``RingContext`` travels through the model's own kwargs.
 
@@ -29,6 +29,8 @@ call raises a TypeError naming it; nothing is dropped:
 * per-call model kwargs that are not attention arguments (``position_ids``,
   ``num_items_in_batch``, ...; ``NOT_ATTENTION_KWARGS``) are ignored.
 
+``prepare_batch`` (``check_model``, then ``shard_batch`` with the position ids the model
+would compute: OPT-style models count real tokens of a padded row) is the safe entry.
 ``check_model`` refuses what the attention function alone cannot see: model classes that
 compute attention themselves (``is_backend_compatible()`` False: bloom, codegen, xglm, ...),
 and models whose other sequence layers (state-space, linear attention, convolution) or
@@ -41,9 +43,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..api import ring_attention
-from ..masks import chunked
+from ..batch import shard_batch
+from ..layouts import DEFAULT_LAYOUT
+from ..masks import and_keys, chunked_key
 
-__all__ = ["NAME", "ModelMask", "check_model", "register", "ring_attention_forward"]
+__all__ = ["NAME", "ModelMask", "check_model", "prepare_batch", "register",
+           "ring_attention_forward"]
 
 NAME = "ringattn"
 
@@ -106,6 +111,35 @@ def check_model(model) -> None:
         raise ValueError(f"ring attention cannot run {type(model).__name__} exactly: {problem}")
 
 
+POSITIONS_FROM_MASK = frozenset({"opt", "biogpt"})
+"""Families whose position ids, when not given, count real tokens (``cumsum(mask) * mask
+- 1``: a left-padded row starts at 0 on its first real token) instead of slots."""
+
+
+def prepare_batch(model, batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, **kwargs) -> dict:
+    """``check_model`` then ``ringattn.shard_batch``, with the position ids this model would
+    compute on the whole batch (``shard_batch`` alone gives slot indices 0..S-1, what
+    Llama-style models compute; OPT-style models count real tokens from the padding mask).
+
+    Arguments:
+        model: the transformers model (attn_implementation "ringattn").
+        batch, group, layout, kwargs: as for ``ringattn.shard_batch``.
+
+    Returns:
+        This rank's shard of the batch, for ``model(**local)``.
+
+    Raises:
+        ValueError: from ``check_model`` or ``shard_batch``.
+    """
+    check_model(model)
+    keep = batch.get("attention_mask")
+    family = getattr(getattr(model, "config", None), "model_type", None)
+    if family in POSITIONS_FROM_MASK and keep is not None and batch.get("position_ids") is None:
+        keep = keep.long()
+        batch = {**batch, "position_ids": keep.cumsum(1) * keep - 1}
+    return shard_batch(batch, group=group, layout=layout, **kwargs)
+
+
 @dataclass(frozen=True)
 class ModelMask:
     """What a model asked transformers' mask creation for, instead of a dense mask.
@@ -141,7 +175,8 @@ def _model_mask(*, mask_function=None, local_size=None, config=None, attention_m
 
 
 def _ring_arguments(module, attention_mask, sliding_window, is_causal, ring_context):
-    """(causal, window_size, extra mask) for the ring from what the model asked for."""
+    """(causal, window_size, key of an extra mask or None) for the ring from what the
+    model asked for."""
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     window = (-1, -1) if not sliding_window else (int(sliding_window) - 1, 0)
     mask = None
@@ -175,7 +210,7 @@ def _ring_arguments(module, attention_mask, sliding_window, is_causal, ring_cont
         window = (size, size)
     elif kind == "chunked":
         causal = True
-        mask = chunked(size, ring_context.left_padding)
+        mask = chunked_key(size, ring_context.left_padding)
     return causal, window, mask
 
 
@@ -216,7 +251,7 @@ def ring_attention_forward(module, query, key, value, attention_mask=None, dropo
                                            ring_context)
     kw = ring_context.attention_kwargs()
     if mask is not None:
-        kw["mask"] = mask if kw["mask"] is None else kw["mask"] & mask
+        kw["mask"] = and_keys(kw["mask"], mask)
     out = ring_attention(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
         causal=causal, window_size=window, softmax_scale=scaling,

@@ -27,13 +27,16 @@ def _expand_kv(x_BSHD: torch.Tensor, groups: int, acc: torch.dtype) -> torch.Ten
     return x_BSHD.to(acc).transpose(1, 2).repeat_interleave(groups, dim=1)
 
 
-def _visibility(mask, rows: slice, nk: int, device):
-    """Bool visibility of block rows ``rows`` against all Sk columns, or None (all visible)."""
+def _row_tile(mask, rows: slice, nk: int, device):
+    """(columns, visibility) for block rows ``rows``: the column range their keys can lie in
+    (a band's rows see a bounded range, so a causal block costs half a square) and the bool
+    visibility over it, or None when everything in it is visible."""
     if mask is None:
-        return None
+        return slice(0, nk), None
     if isinstance(mask, BlockMask):
-        return mask.dense().to(device)[..., rows, :]
-    return mask.dense(range(rows.start, rows.stop), range(nk), device=device)
+        return slice(0, nk), mask.dense().to(device)[..., rows, :]
+    c0, c1 = mask.cols_for_rows(rows.start, rows.stop, nk)
+    return slice(c0, c1), mask.dense(range(rows.start, rows.stop), range(c0, c1), device=device)
 
 
 def _scores(q_BHSD, k_BHSD, scale, softcap, ok):
@@ -67,11 +70,12 @@ class ReferenceKernel:
         for a in range(0, sq, ROW_TILE):
             rows = slice(a, min(sq, a + ROW_TILE))
             q_BHSD = q[:, rows].to(acc).transpose(1, 2)
-            s = _scores(q_BHSD, k_BHSD, scale, softcap, _visibility(mask, rows, k.shape[1], q.device))
+            cols, ok = _row_tile(mask, rows, k.shape[1], q.device)
+            s = _scores(q_BHSD, k_BHSD[:, :, cols], scale, softcap, ok)
             lse = torch.logsumexp(s, dim=-1)
             # rows with no visible key: lse = -inf; subtracting 0 there keeps exp(-inf) = 0
             p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
-            out_BSHD[:, rows] = (p @ v_BHSD).transpose(1, 2).to(q.dtype)
+            out_BSHD[:, rows] = (p @ v_BHSD[:, :, cols]).transpose(1, 2).to(q.dtype)
             lse_BHS[:, :, rows] = lse
         return out_BSHD, lse_BHS
 
@@ -89,19 +93,21 @@ class ReferenceKernel:
         for a in range(0, sq, ROW_TILE):
             rows = slice(a, min(sq, a + ROW_TILE))
             q_BHSD = q[:, rows].to(acc).transpose(1, 2)
-            s = _scores(q_BHSD, k_BHSD, scale, softcap, _visibility(mask, rows, sk, q.device))
+            cols, ok = _row_tile(mask, rows, sk, q.device)
+            k_t, v_t = k_BHSD[:, :, cols], v_BHSD[:, :, cols]
+            s = _scores(q_BHSD, k_t, scale, softcap, ok)
             final = lse[:, :, rows]
             p = torch.exp(s - torch.where(torch.isfinite(final), final, 0.0).unsqueeze(-1))
             do_BHSD = dout[:, rows].to(acc).transpose(1, 2)
             o_BHSD = out[:, rows].to(acc).transpose(1, 2)
-            dv_BHSD += p.transpose(-1, -2) @ do_BHSD
-            dp = do_BHSD @ v_BHSD.transpose(-1, -2)
+            dv_BHSD[:, :, cols] += p.transpose(-1, -2) @ do_BHSD
+            dp = do_BHSD @ v_t.transpose(-1, -2)
             delta = (do_BHSD * o_BHSD).sum(-1, keepdim=True)
             ds = p * (dp - delta)
             if softcap:  # d cap*tanh(x/cap) / dx = 1 - tanh^2; masked entries have p = 0
                 ds = ds * (1 - (torch.where(p > 0, s, 0.0) / softcap) ** 2)
-            dq_BSHD[:, rows] = ((ds @ k_BHSD) * scale).transpose(1, 2)
-            dk_BHSD += (ds.transpose(-1, -2) @ q_BHSD) * scale
+            dq_BSHD[:, rows] = ((ds @ k_t) * scale).transpose(1, 2)
+            dk_BHSD[:, :, cols] += (ds.transpose(-1, -2) @ q_BHSD) * scale
 
         def fold(x_BHSD):  # sum the G query heads that share a kv head
             return x_BHSD.reshape(b, hkv, groups, sk, x_BHSD.shape[-1]).sum(2).transpose(1, 2)
