@@ -1,5 +1,12 @@
-"""HF Trainer recipe: ``RingTrainer`` under torchrun on 2 CPU ranks logs the same losses
-(and so takes the same steps) as a plain Trainer in one process on the same batches."""
+"""HF Trainer recipe: ``RingTrainer`` under torchrun on 2 CPU ranks logs what a plain Trainer
+logs in one process on the same data: losses and gradient norms with gradient
+accumulation, evaluation metrics, predictions, a run resumed from a checkpoint, bf16.
+
+One torchrun launch runs every scenario of ``trainer_run.py`` (and one process runs the
+plain Trainer's); each test reads its scenario's files, written by every rank. fp32
+tolerance: 1e-5 relative, the float32 bound of DESIGN.md (the sums over ranks and ring
+steps reorder float32 additions; measured errors are about 1e-7).
+"""
 
 import json
 import os
@@ -8,31 +15,161 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 RUN = Path(__file__).with_name("trainer_run.py")
+WORLD = 2
+TOL = 1e-5
 
 
-def _run(cmd, tmp_path):
+def _launch(cmd, cwd):
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired as e:
+        return f"timed out after 240 s: {cmd}\n{e.stdout}\n{e.stderr}"
+    return None if proc.returncode == 0 else (proc.stdout[-3000:] + proc.stderr[-6000:])
 
 
-@pytest.mark.timeout(300)
-def test_ring_trainer_under_torchrun_matches_one_process(tmp_path, worst_errors):
-    _run([sys.executable, str(RUN), "--ref", "--out", str(tmp_path / "ref.json")], tmp_path)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    _run([*torchrun, str(RUN), "--out", str(tmp_path / "cp.json")], tmp_path)
-    ref = json.loads((tmp_path / "ref.json.0").read_text())
-    assert len(ref) == 4
-    for rank in range(2):  # every rank logs the global loss
-        cp = json.loads((tmp_path / f"cp.json.{rank}").read_text())
-        assert len(cp) == len(ref), (rank, cp)
-        for step, (a, b) in enumerate(zip(cp, ref)):
-            err = abs(a - b) / abs(b)
-            key = ("Trainer", "loss")  # printed in make test's summary of worst errors
-            worst_errors[key] = (max(worst_errors.get(key, (0.0, 1e-5))[0], err), 1e-5)
-            assert err <= 1e-5, (rank, step, a, b)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(directory, {"ref": failure or None, "cp": failure or None}) of both launches."""
+    out = tmp_path_factory.mktemp("trainer")
+    failures = {
+        "ref": _launch([sys.executable, str(RUN), "--ref", "--out", str(out / "ref")], out),
+        "cp": _launch([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       "--nproc-per-node", str(WORLD), str(RUN), "--out", str(out / "cp")], out),
+    }
+    return out, failures
+
+
+def _results(runs, scenario):
+    """(the one-process results, [each rank's results]) of one scenario."""
+    out, failures = runs
+
+    def load(kind, rank):
+        path = out / kind / f"{scenario}.{rank}.json"
+        if not path.exists():
+            pytest.fail(f"{kind} rank {rank} wrote no {scenario} results:\n{failures[kind]}")
+        return json.loads(path.read_text())
+
+    return load("ref", 0), [load("cp", rank) for rank in range(WORLD)]
+
+
+def _record(worst_errors, key, err, tol):
+    """Keep the worst error of ``key`` for make test's summary."""
+    worst_errors[key] = (max(worst_errors.get(key, (0.0, tol))[0], err), tol)
+
+
+def _assert_close(worst_errors, name, got, want, rank, tol=TOL):
+    """Every value of ``got`` (one rank's) within ``tol`` relative of one process's."""
+    got, want = (got, want) if isinstance(want, list) else ([got], [want])
+    assert len(got) == len(want), f"{name}: rank {rank} logged {got}, one process {want}"
+    for step, (a, b) in enumerate(zip(got, want)):
+        err = abs(a - b) / abs(b)
+        _record(worst_errors, ("Trainer", name), err, tol)
+        assert err <= tol, (f"{name}[{step}] on rank {rank}: {a} vs one process {b} "
+                            f"(relative error {err:.2e} > {tol:.0e})")
+
+
+@pytest.mark.timeout(600)
+def test_gradient_accumulation_logs_and_steps_like_one_process(runs, worst_errors):
+    """Accumulating 2 micro-batches with different target counts: the loss is the mean over
+    every target of both (not twice it, not a mean of means) and so is the gradient (its
+    clipped norm is logged), over three steps into the second epoch."""
+    ref, ranks = _results(runs, "accumulate")
+    assert len(ref["loss"]) == 3
+    for rank, got in enumerate(ranks):
+        _assert_close(worst_errors, "loss", got["loss"], ref["loss"], rank)
+        _assert_close(worst_errors, "grad_norm", got["grad_norm"], ref["grad_norm"], rank)
+
+
+@pytest.mark.timeout(600)
+def test_evaluate_and_predict_give_one_process_results(runs, worst_errors):
+    """evaluate (loss only, and with compute_metrics on the whole sequence's logits) and
+    predict on 5 rows (two right-padded) in batches of 2, 2, 1: every rank returns the one-process
+    metrics and the logits [5, S, V] of the whole sequence."""
+    ref, ranks = _results(runs, "accumulate")
+    out, _ = runs
+    want = torch.load(out / "ref" / "predict.0.pt")
+    assert want.shape == (5, 37, 97)
+    for rank, got in enumerate(ranks):
+        for key in ("eval_loss_only", "eval_loss", "eval_nll", "test_loss"):
+            _assert_close(worst_errors, key, got[key], ref[key], rank)
+        logits = torch.load(out / "cp" / f"predict.{rank}.pt")
+        assert logits.shape == want.shape, (rank, logits.shape)
+        err = float((logits - want).norm() / want.norm())
+        _record(worst_errors, ("Trainer", "logits"), err, TOL)
+        assert err <= TOL, (f"predict logits on rank {rank}: relative error {err:.2e}, max abs "
+                            f"{float((logits - want).abs().max()):.2e}")
+
+
+@pytest.mark.timeout(600)
+def test_resume_from_checkpoint_repeats_the_uninterrupted_run(runs, worst_errors):
+    """evaluate, then seven steps (two epochs) like one process (evaluating first must not
+    leave training without DDP); a trainer resumed from the checkpoint of step 5 (mid second
+    epoch: the epoch's order, the skipped batches, optimizer and RNG state) logs steps 6 and
+    7 as the uninterrupted run did."""
+    ref, ranks = _results(runs, "resume")
+    assert len(ref["loss"]) == 7
+    for rank, got in enumerate(ranks):
+        _assert_close(worst_errors, "eval_loss", got["eval_loss_first"], ref["eval_loss_first"],
+                      rank)
+        _assert_close(worst_errors, "loss", got["loss"], ref["loss"], rank)
+        _assert_close(worst_errors, "grad_norm", got["grad_norm"], ref["grad_norm"], rank)
+        _assert_close(worst_errors, "resumed loss", got["resumed_loss"], ref["loss"][5:], rank)
+        _assert_close(worst_errors, "resumed grad_norm", got["resumed_grad_norm"],
+                      ref["grad_norm"][5:], rank)
+
+
+def _rel(a, b):
+    return [abs(x - y) / abs(y) for x, y in zip(a, b, strict=True)]
+
+
+@pytest.mark.timeout(600)
+def test_bf16_is_as_close_to_fp32_as_plain_bf16(runs, worst_errors):
+    """bf16=True (autocast): the CP run's distance from the fp32 one-process run is within 2x
+    the distance of plain one-process bf16 runs (eager and sdpa attention), DESIGN.md's bf16
+    bound, for what averages many roundings: the logits of ``predict`` (5 x 37 x 97, before
+    training), the gradient norm of step 0 (same weights everywhere), and the losses of the
+    three steps (the worst of them: one loss is a mean whose rounding errors can cancel by
+    chance, in a plain run as in the CP run; later steps add each update's rounding)."""
+    ref, ranks = _results(runs, "bf16")
+    out, _ = runs
+
+    def logits(kind, suffix, rank=0):
+        return torch.load(out / kind / f"bf16_predict{suffix}.{rank}.pt").double()
+
+    def err(a, b):
+        return float((a - b).norm() / b.norm())
+
+    fp32 = logits("ref", "_fp32")
+    plain_logits = max(err(logits("ref", ""), fp32), err(logits("ref", "_sdpa"), fp32))
+    plain_norm0 = max(_rel(ref[k][:1], ref["grad_norm_fp32"][:1])[0]
+                      for k in ("grad_norm", "grad_norm_sdpa"))
+    plain_loss = max(max(_rel(ref[k], ref["loss_fp32"])) for k in ("loss", "loss_sdpa"))
+    assert min(plain_logits, plain_norm0, plain_loss) > 1e-6, ("no bf16 in one process", ref)
+    for rank, got in enumerate(ranks):
+        checks = (("logits", err(logits("cp", "", rank), fp32), plain_logits),
+                  ("step-0 grad_norm", _rel(got["grad_norm"][:1], ref["grad_norm_fp32"][:1])[0],
+                   plain_norm0),
+                  ("loss", max(_rel(got["loss"], ref["loss_fp32"])), plain_loss))
+        for name, e, plain in checks:
+            _record(worst_errors, ("Trainer bf16", name), e, 2 * plain)
+            assert e <= 2 * plain, (f"bf16 {name} on rank {rank}: relative error {e:.2e} from "
+                                    f"fp32, plain bf16 runs {plain:.2e}; CP {got}, one process "
+                                    f"{ref}")
+
+
+@pytest.mark.timeout(600)
+def test_parallelism_config_is_refused_by_accelerate_on_cpu_ranks(runs):
+    """dp x cp through a ParallelismConfig cannot run on gloo CPU ranks: accelerate refuses
+    it (hf_trainer's docstring says why). When accelerate accepts it, RingTrainer refuses it
+    until dp x cp is supported and tested."""
+    _, ranks = _results(runs, "parallelism")
+    for rank, got in enumerate(ranks):
+        error = got["error"] or ""
+        assert "MULTI_CPU" in error or "RingTrainer runs the whole world" in error, (rank, got)

@@ -1,5 +1,7 @@
 """A transformers ``Trainer`` that trains under context parallelism with ring attention.
 
+Legend: B batch, S global seq, L local seq, V vocabulary, W world size.
+
 Launch with torchrun, one process per context-parallel rank (the whole world is one CP
 group here), e.g. ``torchrun --nproc-per-node 4 train.py`` on CPU ranks (``use_cpu=True``)
 or GPUs:
@@ -12,27 +14,79 @@ or GPUs:
                           data_collator=collator, layout="zigzag")
     trainer.train()
 
-What it changes, and why:
+The contract: logged losses, gradients (so every step), ``evaluate`` metrics and
+``predict`` outputs equal a plain ``Trainer`` in ONE process on the same data with the same
+arguments, up to floating-point rounding. What it changes, and why:
 
-* Every rank must see the SAME batch (CP splits one sequence, not the batch), so the
-  training dataloader is not sharded across processes: all ranks read the same batches in
-  the same (seeded) order.
-* ``compute_loss`` shards each batch with ``ringattn.shard_batch`` (labels shifted
-  globally, global target count) and runs the model on this rank's shard. Its loss is the
-  rank's share of the global mean; Trainer wraps the model in DDP over the same ranks,
-  which AVERAGES gradients, so the loss is multiplied by the world size (the shares'
-  gradients must be summed). Trainer's logged loss (the mean over ranks of that value) is
+* Every rank must see the SAME batches (CP splits one sequence, not the batch). Training,
+  evaluation and test loaders are accelerate loaders prepared for one process
+  (``num_processes=1``): the order a one-process Trainer uses (accelerate's seedable
+  sampler, seeded by ``data_seed`` or ``seed`` and re-seeded per epoch, so
+  ``resume_from_checkpoint`` replays the same order), on every rank.
+  ``train_sampling_strategy`` must be "random" or "sequential" (the length-grouped
+  samplers draw from rank-local state).
+* ``get_batch_samples`` shards each micro-batch with ``ringattn.shard_batch`` (labels
+  shifted on the global sequence) and counts the targets of ALL the micro-batches of the
+  optimizer step, as Trainer counts ``num_items_in_batch`` in one process. ``compute_loss``
+  divides this rank's summed token losses by that count: the ranks' losses add up to the
+  mean over every target of the accumulated batch (``loss_is_scaled_for_ga = True``, so
+  Trainer does not divide by the accumulation steps again). DDP averages gradients over
+  the W ranks, so the loss is multiplied by W (the shares' gradients must be summed);
+  Trainer's logged loss (the mean over ranks of that value, summed over micro-batches) is
   then the global loss, and gradient clipping sees the full gradient.
+* ``prediction_step`` sums the ranks' shares of each batch's loss over the CP group, and
+  gathers the logits of the whole sequence with ``ringattn.unshard`` ([B, S, V] on every
+  rank: O(S V) memory per rank, what ``predict`` returns anyway). Every rank then holds the
+  one-process results, so ``evaluation_loop`` gathers nothing across ranks; the last batch
+  is cut as accelerate cuts it in one process.
+* ``evaluate``/``predict`` before ``train`` leave the model ready for DDP (see the shim in
+  ``evaluation_loop``).
+* ``bf16``/``fp16`` need nothing here: accelerate's autocast wraps the model's forward and
+  ring attention runs q, k, v in the autocast dtype as SDPA does.
+
+Refused, loudly: ``compute_loss_func`` and ``label_smoothing_factor`` (Trainer would apply
+them to the local shard's logits with a local normalisation), other sampling strategies,
+and a ``parallelism_config`` with any dimension above 1 (below).
+
+dp x cp (``TrainingArguments(parallelism_config=ParallelismConfig(dp_shard_size=...,
+cp_size=...))`` with FSDP2, ring attention on the cp dimension) is refused: it cannot run,
+so cannot be tested, on CPU ranks. With transformers 5.23 and accelerate 1.15 on gloo CPU
+ranks (``use_cpu=True`` under torchrun) ``Trainer.__init__`` fails before any RingTrainer
+code runs: accelerate's distributed type is MULTI_CPU, and
+``ParallelismConfig._validate_accelerator`` accepts only FSDP2, the multi-accelerator
+types (GPU, XPU, NPU, ...) or DeepSpeed ("ParallelismConfig is only compatible
+DistributedType.FSDP (version 2) or DistributedType.Multi{Device} or
+DistributedType.DEEPSPEED, but got DistributedType.MULTI_CPU"). Nor is FSDP ever enabled on
+CPU: ``AcceleratorState`` switches to FSDP only for accelerator device types (where
+cp_size > 1 also demands an FSDP2 plugin), so ``fsdp=True`` on CPU ranks trains with DDP,
+which this trainer handles. Supporting dp x cp (on GPUs) would take: loaders split over dp
+only (accelerate's, which give the cp ranks of a mesh the same batches), the target count
+summed over dp, ``shard_batch`` and the reductions of ``prediction_step`` over
+``mesh["cp"]``, the gather of ``evaluation_loop`` over dp, and an override of Trainer's
+``_prepare_context_parallel_inputs`` (which requires sdpa) returning a null context.
+FSDP2 over a dp x cp mesh with ring attention, without Trainer:
+tests/integration/test_fsdp_cp.py.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from transformers import Trainer
 
 from ..batch import shard_batch
+from ..layouts import DEFAULT_LAYOUT
+from ..sharding import unshard
+from .transformers import check_model
+
+_SAMPLING = ("random", "sequential")
+
+
+def _is_hf_dataset(dataset) -> bool:
+    import datasets
+
+    return isinstance(dataset, datasets.Dataset)
 
 
 class RingTrainer(Trainer):
@@ -40,23 +94,181 @@ class RingTrainer(Trainer):
 
     Arguments (besides Trainer's):
         layout: "zigzag" (per document for packed batches), "contiguous" or "striped".
+
+    Raises:
+        ValueError: a model ``integrations.transformers.check_model`` refuses (and, at the
+            first step, one that never called ring attention); ``compute_loss_func``,
+            ``label_smoothing_factor`` or a
+            ``train_sampling_strategy`` other than "random"/"sequential"; torch.distributed
+            not initialised (launch with torchrun); a ``parallelism_config`` with a
+            dimension above 1 (see module doc).
     """
 
-    def __init__(self, *args, layout: str = "zigzag", **kwargs):
+    # compute_loss divides by the targets of the whole accumulated batch (get_batch_samples)
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, *args, layout: str = DEFAULT_LAYOUT, **kwargs):
         super().__init__(*args, **kwargs)
+        if not dist.is_initialized():
+            raise ValueError("RingTrainer needs torch.distributed initialised: launch it with "
+                             "torchrun")
+        if self.compute_loss_func is not None:
+            raise ValueError("RingTrainer computes the causal-LM loss itself; compute_loss_func "
+                             "would see one rank's shard only")
+        if self.args.label_smoothing_factor != 0:
+            raise ValueError(f"RingTrainer does not support label_smoothing_factor="
+                             f"{self.args.label_smoothing_factor} (it needs 0)")
+        if self.args.train_sampling_strategy not in _SAMPLING:
+            raise ValueError(f"RingTrainer supports train_sampling_strategy in {_SAMPLING}, got "
+                             f"{self.args.train_sampling_strategy!r}")
+        pc = self.args.parallelism_config
+        if pc is not None and pc.total_size > 1:
+            raise ValueError(
+                f"RingTrainer runs the whole world as one context-parallel group; "
+                f"parallelism_config (dp_replicate={pc.dp_replicate_size}, dp_shard="
+                f"{pc.dp_shard_size}, cp={pc.cp_size}, tp={pc.tp_size}, sp={pc.sp_size}) is not "
+                f"supported (see ringattn.integrations.hf_trainer's docstring)")
+        check_model(self.model)
         self.layout = layout
+
+    def _shard(self, inputs: dict) -> dict:
+        """This rank's shard of a batch dict (``shard_batch`` over the whole world;
+        non-tensor entries dropped)."""
+        batch = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+        return shard_batch(batch, layout=self.layout)
+
+    # ---- data: the same batches on every rank ---------------------------------------
+
+    def _same_on_every_rank(self, dataset, batch_size: int, description: str, shuffle: bool):
+        """A loader giving every rank the batches a one-process Trainer would see."""
+        from accelerate.data_loader import prepare_data_loader
+        from transformers.utils import is_datasets_available
+
+        collator = self.data_collator
+        if is_datasets_available() and _is_hf_dataset(dataset):
+            dataset = self._remove_unused_columns(dataset, description=description)
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description=description)
+        sampler = None
+        if not isinstance(dataset, IterableDataset):
+            sampler = RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collator,
+                            drop_last=self.args.dataloader_drop_last,
+                            num_workers=self.args.dataloader_num_workers,
+                            pin_memory=self.args.dataloader_pin_memory)
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        # num_processes=1: not split over ranks; the seedable sampler is forced on (with
+        # a plain RandomSampler the ranks would each draw their own order)
+        return prepare_data_loader(loader, self.args.device, num_processes=1, process_index=0,
+                                   put_on_device=True, use_seedable_sampler=True, data_seed=seed)
 
     def get_train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             raise ValueError("RingTrainer: training requires a train_dataset")
-        g = torch.Generator().manual_seed(self.args.seed)  # the same order on every rank
-        return DataLoader(self.train_dataset, batch_size=self._train_batch_size, shuffle=True,
-                          generator=g, collate_fn=self.data_collator, drop_last=True)
+        return self._same_on_every_rank(self.train_dataset, self._train_batch_size, "Training",
+                                        shuffle=self.args.train_sampling_strategy == "random")
+
+    def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
+        if eval_dataset is None and self.eval_dataset is None:
+            raise ValueError("RingTrainer: evaluation requires an eval_dataset")
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        elif eval_dataset is None:
+            eval_dataset = self.eval_dataset
+        return self._same_on_every_rank(eval_dataset, self.args.eval_batch_size, "Evaluation",
+                                        shuffle=False)
+
+    def get_test_dataloader(self, test_dataset) -> DataLoader:
+        return self._same_on_every_rank(test_dataset, self.args.eval_batch_size, "test",
+                                        shuffle=False)
+
+    # ---- training -------------------------------------------------------------------
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The micro-batches of one optimizer step, sharded, and their target count.
+
+        Returns:
+            (up to ``num_batches`` ``shard_batch`` dicts, this rank's shards of the next
+            micro-batches; the number of targets in all of them, a 0-d tensor on
+            ``device`` that compute_loss divides by, or None without labels).
+        """
+        shards = []
+        for _ in range(num_batches):
+            try:
+                shards.append(self._shard(next(epoch_iterator)))
+            except StopIteration:
+                break
+        counts = [s["num_items_in_batch"] for s in shards if "num_items_in_batch" in s]
+        if not counts:
+            return shards, None
+        return shards, torch.stack(counts).sum().to(device)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        batch = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-        local = shard_batch(batch, layout=self.layout)
+        """This rank's share of the loss, times W (see module doc).
+
+        Arguments:
+            inputs: a batch dict, or a shard of one from ``get_batch_samples``.
+            num_items_in_batch: the targets of the whole accumulated batch (as
+                ``get_batch_samples`` counts them); None: this batch's own targets.
+        """
+        local = inputs if "ring_context" in inputs else self._shard(inputs)
+        if num_items_in_batch is not None:
+            local = {**local, "num_items_in_batch": num_items_in_batch}
         outputs = model(**local, use_cache=False)
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        loss = outputs.loss * world
+        local["ring_context"].check_consumed(model)
+        loss = outputs.loss * self.accelerator.num_processes
         return (loss, outputs) if return_outputs else loss
+
+    # ---- evaluation and prediction --------------------------------------------------
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """One evaluation batch, run sharded; what one process would return.
+
+        Returns:
+            (the batch's mean loss, 0-d, None without labels; the logits of the whole
+            sequence [B, S, V], None when ``prediction_loss_only``; the labels [B, S]),
+            the same on every rank.
+        """
+        inputs = self._prepare_inputs(inputs)
+        local = self._shard(inputs)
+        ctx = local["ring_context"]
+        with torch.no_grad(), self.compute_loss_context_manager():
+            outputs = model(**local, use_cache=False)
+        labels = inputs.get("labels")
+        loss = None
+        if labels is not None:
+            loss = outputs.loss.detach().float()
+            dist.all_reduce(loss, group=ctx.group)  # the shares of the batch's mean
+        if prediction_loss_only:
+            return loss, None, None
+        logits = unshard(outputs.logits.detach(), group=ctx.group, layout=ctx.layout, dim=1,
+                         seqlen=ctx.seqlen, cu_seqlens=ctx.cu_seqlens)
+        return loss, logits, labels
+
+    def evaluation_loop(self, *args, **kwargs):
+        # Every rank already holds the one-process results: gather nothing (the loop
+        # resets gather_function to accelerate's gather_for_metrics when it ends).
+        self.gather_function = self._as_one_process
+        unprepared = not getattr(self.model, "_is_accelerate_prepared", False)
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            if unprepared and not self.is_in_train:
+                # Shim (accelerate 1.15, transformers 5.23): evaluating before training
+                # prepares the model for evaluation (autocast, no DDP) and marks it
+                # prepared, so train()'s accelerator.prepare returns it without DDP and
+                # every rank steps on its own share of the gradient (a plain Trainer
+                # under DDP has the same bug: its ranks diverge). Unmarked, train()
+                # prepares it for training.
+                self.model._is_accelerate_prepared = False
+
+    def _as_one_process(self, data):
+        """What ``gather_for_metrics`` returns in one process: ``data``, cut on the last
+        batch to the dataset's remainder (evaluation_loop repeats each batch's loss
+        eval_batch_size times, and the last batch may hold fewer rows)."""
+        from accelerate.utils import recursively_apply
+
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            return recursively_apply(lambda t: t[: state.remainder], data)
+        return data
