@@ -335,6 +335,8 @@ def train(cfg: TrainConfig, *, group=None, attn_implementation: str | None = Non
             local = batch
             targets_BL = F.pad(ids_BS[:, 1:], (0, 1), value=IGNORE)
         out = model(**local, use_cache=False)
+        if cp:
+            local["ring_context"].check_consumed(model)
         opt.zero_grad(set_to_none=False)
         out.loss.backward()
         if cp:  # each rank's loss is its share of the global mean: sum the gradients

@@ -188,6 +188,7 @@ def run_target(target, batch: dict, *, group=None, layout: str = "zigzag",
                             group=group, layout=layout)
         out = target(input_ids=local["input_ids"], position_ids=local["position_ids"],
                      ring_context=local["ring_context"], output_hidden_states=True)
+        local["ring_context"].check_consumed(target)
         local_ids = local["input_ids"]
         lm = shard(loss_mask, group=group, layout=layout, seqlen=s)
         pos = positions(s, group=group, layout=layout, device=ids.device).expand(b, -1)
