@@ -119,7 +119,10 @@ def shard_batch(batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, extra_
         ``num_items_in_batch`` (the GLOBAL count of targets, so the model's loss is this
         rank's share of the global mean); ``ring_context`` (a ``RingContext`` for the
         attention function); and the ``extra_keys``.
-        S need not divide W: padding slots get token 0 and no target.
+        S need not divide W: padding slots get their row's first token (not 0: a padding
+        id may have a zero embedding, and models such as Gemma 3n take roots of its
+        magnitude without an epsilon, whose gradient is then infinite) and no target;
+        they are masked as keys, so no real token sees them.
 
     Raises:
         ValueError: a missing or misshapen ``input_ids``, inconsistent shapes, bad
@@ -140,7 +143,8 @@ def shard_batch(batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, extra_
     pos_local = positions(s, group=pg, layout=layout, cu_seqlens=cu)
     global_pos = pos_local[0] if cu is not None else pos_local
     real = global_pos < s  # local slots holding tokens (the rest pad S up to W shards)
-    local = {"input_ids": shard(ids, **kw)}
+    slot_ids = torch.where(real.to(ids.device), shard(ids, **kw), ids[:, :1])
+    local = {"input_ids": slot_ids}
     if batch.get("position_ids") is not None:
         local["position_ids"] = shard(batch["position_ids"], **kw)
     elif cu is not None:  # RoPE restarts in every document

@@ -66,6 +66,10 @@ _ATTENTION_LAYER_TYPES = frozenset({
 
 _LAYER_TYPE_FIELDS = ("layer_types", "block_types", "layers_block_type", "layer_block_types")
 
+_OWN_MASKS = frozenset({"doge"})
+"""Families that compute a mask of their own (Doge's learned dynamic mask) from the one
+transformers builds: it cannot be sharded."""
+
 _SEQUENCE_MIXERS = frozenset({
     "jamba", "bamba", "falcon_h1", "falcon_mamba", "mamba", "mamba2", "zamba", "zamba2",
     "recurrent_gemma", "lfm2", "lfm2_moe", "lfm2_vl", "qwen3_next", "minimax",
@@ -84,6 +88,9 @@ def _config_problem(config) -> str | None:
             if other:
                 return (f"{name} has {field} {other}: those sequence layers would see only this "
                         f"rank's shard of the sequence, not the whole of it")
+    if name in _OWN_MASKS:
+        return (f"{name} computes a dense attention mask of its own (learned from the inputs), "
+                f"which cannot be sharded")
     if name in _SEQUENCE_MIXERS:
         return (f"{name} has sequence layers other than attention (state-space, linear "
                 f"attention or convolution), which would see only this rank's shard")
@@ -228,9 +235,15 @@ def ring_attention_forward(module, query, key, value, attention_mask=None, dropo
     """
     if ring_context is None:
         raise ValueError(
-            "attn_implementation='ringattn' needs the batch's ring_context: call the model "
-            "with the dict from ringattn.shard_batch(batch, group=...)"
+            f"attn_implementation='ringattn' needs the batch's ring_context, but "
+            f"{type(module).__name__} got none: either the model was not called with the dict "
+            f"from ringattn.shard_batch / prepare_batch, or it does not pass its keyword "
+            f"arguments on to attention (as stablelm and nemotron do), and ring attention "
+            f"cannot run it"
         )
+    if kwargs.pop("output_router_logits", None):
+        raise ValueError("output_router_logits=True: each rank would normalise the router "
+                         "auxiliary loss over its own tokens; pass output_router_logits=False")
     unknown = sorted(k for k, v in kwargs.items() if k not in NOT_ATTENTION_KWARGS and v is not None)
     if unknown:
         raise TypeError(f"ring attention does not implement the attention argument(s) "
