@@ -100,22 +100,30 @@ def _config_problem(config) -> str | None:
     return None
 
 
-def check_model(model) -> None:
+def check_model(model, config=None) -> None:
     """Refuse a model that ring attention cannot run exactly on shards.
+
+    Arguments:
+        model: a transformers model, or a model CLASS (to check before building it: some
+            classes, such as Falcon's, GPT-J's and GPT-Neo's, fail inside transformers'
+            constructor with a bare KeyError when asked for a registered attention name).
+        config: the config to check with a class (a model's own config otherwise).
 
     Raises:
         ValueError: the model class computes attention itself (never calls the registered
             function), or has non-attention sequence layers or per-rank losses.
     """
-    if hasattr(model, "is_backend_compatible") and not model.is_backend_compatible():
+    cls = model if isinstance(model, type) else type(model)
+    if hasattr(cls, "is_backend_compatible") and not cls.is_backend_compatible():
         raise ValueError(
-            f"{type(model).__name__} computes attention itself instead of calling transformers' "
+            f"{cls.__name__} computes attention itself instead of calling transformers' "
             f"attention interface, so attn_implementation={NAME!r} would never run and every "
             f"rank would attend over its shard alone"
         )
-    problem = _config_problem(getattr(model, "config", None))
+    config = getattr(model, "config", None) if config is None else config
+    problem = None if config is None or isinstance(config, property) else _config_problem(config)
     if problem is not None:
-        raise ValueError(f"ring attention cannot run {type(model).__name__} exactly: {problem}")
+        raise ValueError(f"ring attention cannot run {cls.__name__} exactly: {problem}")
 
 
 POSITIONS_FROM_MASK = frozenset({"opt", "biogpt"})

@@ -1,0 +1,311 @@
+"""The model-family survey: for every family in ``families.FAMILIES``, context parallelism
+equals the same model in one process, or refuses with a clear error; never a wrong answer.
+
+For each family, batch kind ("plain": two full rows; "padded": row 1 left-padded by 7, as
+in test_transformers) and world size W (2, 3; S = 37 divides neither), every rank runs the
+single-process reference (transformers' "eager" attention on the whole batch) and the CP
+run: the model built with attn_implementation="ringattn", its batch from
+``ra_hf.prepare_batch(model, batch, layout="zigzag")`` (``check_model`` +
+``ra.shard_batch``, the documented safe entry), and ``check_consumed`` after the forward.
+The CP run's outcome is
+
+* "exact": gathered logits on real tokens, the sum of the ranks' losses, and every
+  parameter gradient summed over the ranks are within TOL of the reference;
+* "refused": the CP run raised TypeError or ValueError from ringattn's own code (a
+  deliberate refusal; the message is kept);
+* "WRONG" (finished, but beyond TOL or NaN), "crash" (any other exception), "hang" (a
+  collective of the family's group timed out: ranks disagreed about what to run),
+  "unbuildable" (transformers raised while building the model with "ringattn", before any
+  ringattn code ran).
+
+Each family runs on a fresh process group with a short collective timeout, and every
+exception is caught per family, so one family's failure (even a hang) does not take the
+others down; the library promises that errors are raised on every rank, so a "hang" is a
+bug. All families of one (W, kind) run in ONE cluster call; the tests then assert, on every
+rank, that each outcome is exact or refused AND equals the outcome declared in EXPECTED, so
+a family that regresses from exact to refused fails too.
+
+Legend: B batch (2), S global seq (37), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringattn as ra
+from families import FAMILIES, build
+from reference import rel_err
+from test_transformers import _batch
+
+pytest.importorskip("transformers")
+
+TOL = 1e-5
+"""fp32 model against the same fp32 model in one process; test_transformers measures
+about 1e-7, and 1e-5 leaves room for the longer reductions of the bigger families."""
+GRAD_FLOOR = 1e-3
+"""A parameter's gradient error is relative to its reference gradient, or to GRAD_FLOOR
+times the whole model's gradient where that is larger: some gradients are analytically
+zero (OPT's key bias: softmax ignores a shift shared by a row's scores) and are rounding
+noise of about 1e-10 of the whole, which no relative error can compare."""
+SEQLEN = 37  # divides none of 2, 3, 4, 6: every shard is padded
+LAYOUT = "zigzag"
+WORLDS = (2, 3)
+KINDS = {"plain": "plain", "padded": "left-padding"}  # our name -> test_transformers' batch
+GROUP_TIMEOUT_S = 30.0
+"""Collective timeout of each family's group: a family whose ranks disagree fails as
+"hang" after this long instead of holding the cluster until its own timeout."""
+
+EXACT, REFUSED = "exact", "refused"
+ACCEPTABLE = (EXACT, REFUSED)
+
+# What the library must do with each family (see docs/models.md); a dict gives the outcome
+# per batch kind.
+EXPECTED = {
+    # plain decoders: every attention layer goes through AttentionInterface, a window (if
+    # any) as the sliding_window kwarg and in the mask
+    "llama": EXACT,
+    "mistral": EXACT,
+    "qwen2": EXACT,
+    "qwen3": EXACT,
+    "gemma": EXACT,
+    "gemma3": EXACT,
+    "phi3": EXACT,
+    "olmo2": EXACT,
+    "cohere": EXACT,
+    "cohere2": EXACT,
+    "starcoder2": EXACT,
+    "granite": EXACT,
+    "glm4": EXACT,
+    "smollm3": EXACT,
+    "exaone4": EXACT,
+    "olmo3": EXACT,
+    "phi": EXACT,
+    "gpt_neox": EXACT,
+    "gpt2": EXACT,
+    "helium": EXACT,
+    "ministral": EXACT,
+    "seed_oss": EXACT,
+    # score modifications passed to the attention function: softcap=, s_aux= (sinks)
+    "gemma2": EXACT,
+    "gpt_oss": EXACT,
+    # MLA: value head dim 12, query/key head dim 24
+    "deepseek_v3": EXACT,
+    "deepseek_v2": EXACT,
+    # the window exists only in the mask the model asks for (no sliding_window kwarg)
+    "qwen2_moe": EXACT,
+    "phimoe": EXACT,
+    # chunked attention exists only in the mask (and counts from each row's first token)
+    "llama4_chunked": EXACT,
+    # learned positions counted from the attention mask (prepare_batch gives them)
+    "opt": EXACT,
+    # AltUp, LAuReL, per-layer inputs are per token; KV sharing reuses the local K/V shards
+    "gemma3n": EXACT,
+    # router aux loss over the global token set: each rank would compute it on its shard
+    "mixtral": REFUSED,
+    "qwen3_moe": REFUSED,
+    # NoPE layers scale queries by arange(LOCAL length) (attn_temperature_tuning)
+    "llama4": REFUSED,
+    # a dynamic, value-dependent mask passed as attention_mask
+    "doge": REFUSED,
+    # never call AttentionInterface: their own attention would ignore the ring context
+    "bloom": REFUSED,
+    "codegen": REFUSED,
+    "xglm": REFUSED,
+    "mpt": REFUSED,
+    "stablelm": REFUSED,  # and its decoder layer does not pass **kwargs to self_attn
+    # look their attention class up by attn_implementation in a dict of their own (building
+    # them with "ringattn" raises KeyError inside transformers): check_model(cls, config),
+    # called before building, refuses them
+    "falcon": REFUSED,
+    "gptj": REFUSED,
+    "gpt_neo": REFUSED,
+    # the decoder layer does not pass **kwargs to self_attn: ring_context never arrives
+    "nemotron": REFUSED,
+    # hybrids: recurrent / convolutional / state-space layers would run on the local shard
+    "qwen3_next": REFUSED,
+    "lfm2": REFUSED,
+    "jamba": REFUSED,
+    "falcon_h1": REFUSED,
+    "granitemoehybrid": REFUSED,
+    "recurrent_gemma": REFUSED,
+    "minimax": REFUSED,
+}
+
+
+def expected(family: str, kind: str) -> str:
+    """The declared outcome of ``family`` on batch ``kind``."""
+    e = EXPECTED[family]
+    return e[kind] if isinstance(e, dict) else e
+
+
+_RINGATTN_DIR = os.path.dirname(os.path.abspath(ra.__file__)) + os.sep
+
+
+class _Unbuildable(Exception):
+    """transformers itself failed to build the model with attn_implementation="ringattn"
+    (falcon, gptj, gpt_neo look their attention class up in a dict of their own), before
+    any ringattn code ran."""
+
+
+def _raised_in_ringattn(exc: BaseException) -> bool:
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(_RINGATTN_DIR)
+
+
+def _failure(exc: BaseException) -> tuple[str, str]:
+    """(outcome, message) of an exception raised by a CP run."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    msg = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
+    if isinstance(exc, _Unbuildable):
+        return "unbuildable", str(exc).splitlines()[0][:300]
+    if isinstance(exc, (TypeError, ValueError)) and _raised_in_ringattn(exc):
+        return REFUSED, msg
+    if isinstance(exc, RuntimeError) and "timed out" in str(exc).lower():
+        return "hang", msg
+    where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    return "crash", msg + where
+
+
+def _flat_grads(model) -> torch.Tensor:
+    """Every parameter's gradient (zeros where None), as one vector."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                      for p in model.parameters()])
+
+
+def _reference(name: str, batch: dict):
+    """The family on the whole batch in this process: (model with gradients, output)."""
+    model = build(name, "eager")
+    out = model(**batch, use_cache=False)
+    out.loss.backward()
+    return model, out
+
+
+def _context_parallel(name: str, batch: dict, group):
+    """The family under ring attention on this rank's shard, through the documented safe
+    path (``prepare_batch``: ``check_model`` + ``shard_batch``; ``check_consumed`` after the
+    forward): (model with gradients, output)."""
+    from ringattn.integrations import transformers as ra_hf
+
+    config, cls = FAMILIES[name]()
+    ra_hf.check_model(cls, config)  # before building: some classes fail in the constructor
+    try:
+        model = build(name, "ringattn")
+    except Exception as exc:
+        if _raised_in_ringattn(exc):
+            raise
+        raise _Unbuildable(f"{type(exc).__name__}: {exc}") from exc
+    local = ra_hf.prepare_batch(model, batch, group=group, layout=LAYOUT)
+    out = model(**local, use_cache=False)
+    local["ring_context"].check_consumed(model)
+    out.loss.backward()
+    return model, out
+
+
+def _errors(batch: dict, ref_model, ref, model, out, group) -> dict:
+    """Relative errors of the CP run (gathered logits, summed loss and gradients)."""
+    loss = out.loss.detach().clone()
+    logits_BSV = ra.unshard(out.logits.detach(), group=group, layout=LAYOUT, seqlen=SEQLEN)
+    grads = _flat_grads(model)
+    dist.all_reduce(loss, group=group)
+    dist.all_reduce(grads, group=group)
+    real_BS = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
+    errs = {"logits": rel_err(logits_BSV[real_BS], ref.logits[real_BS]),
+            "loss": rel_err(loss, ref.loss)}
+    ref_grads = _flat_grads(ref_model).double()
+    floor = GRAD_FLOOR * float(ref_grads.norm())
+    worst, worst_name, start = 0.0, "", 0
+    for pname, p in ref_model.named_parameters():
+        g_ref = ref_grads[start:start + p.numel()]
+        diff = float((grads[start:start + p.numel()].double() - g_ref).norm())
+        start += p.numel()
+        err = diff / max(float(g_ref.norm()), floor)
+        err = err if err == err else float("inf")  # NaN: worse than anything
+        if err > worst or not worst_name:
+            worst, worst_name = err, pname
+    errs["grads"], errs["worst_grad"] = worst, worst_name
+    return errs
+
+
+def _one_family(name: str, batch: dict, group) -> tuple[str, object]:
+    """(outcome, detail) of one family on this rank; never raises."""
+    try:
+        ref_model, ref = _reference(name, batch)
+    except Exception as exc:  # a broken config, not a CP outcome
+        return "crash", f"reference: {_failure(exc)[1]}"
+    try:
+        model, out = _context_parallel(name, batch, group)
+    except Exception as exc:  # one family's failure is its outcome, not the run's
+        return _failure(exc)
+    try:
+        errs = _errors(batch, ref_model, ref, model, out, group)
+    except Exception as exc:  # e.g. another rank failed and left this one in a collective
+        outcome, msg = _failure(exc)
+        return (outcome if outcome == "hang" else "crash"), f"comparing: {msg}"
+    ok = all(errs[t] <= TOL for t in ("logits", "loss", "grads"))  # False for NaN
+    return (EXACT if ok else "WRONG"), errs
+
+
+def survey(names, kind: str, group_timeout_s: float = GROUP_TIMEOUT_S) -> dict:
+    """Rank function: ``{family: (outcome, detail)}`` for the families ``names`` on batch
+    ``kind``; ``detail`` holds the errors (exact, WRONG) or the message (the others).
+    Each family gets a fresh group, so a collective left pending by a failed family never
+    meets the next family's."""
+    from ringattn.integrations import transformers as ra_hf
+
+    ra_hf.register()
+    batch = _batch(KINDS[kind], SEQLEN)
+    results = {}
+    for name in names:
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=group_timeout_s))
+        results[name] = _one_family(name, batch, group)
+        if results[name][0] != "hang":  # a timed-out group may still hold a pending op
+            dist.destroy_process_group(group)
+    return results
+
+
+@pytest.fixture(scope="module")
+def surveyed(clusters):
+    """``surveyed(W, kind)``: every rank's survey of all families, run once per (W, kind)."""
+    done: dict = {}
+
+    def get(world: int, kind: str) -> list[dict]:
+        if (world, kind) not in done:
+            try:
+                done[(world, kind)] = clusters(world).run(survey, list(FAMILIES), kind,
+                                                          timeout=240)
+            except (AssertionError, TimeoutError) as exc:  # RankFailure or a hung rank
+                done[(world, kind)] = exc
+        result = done[(world, kind)]
+        if isinstance(result, BaseException):
+            pytest.fail(f"the survey of W={world}, {kind} did not finish: {result}")
+        return result
+
+    return get
+
+
+def test_every_family_has_an_expected_outcome():
+    assert sorted(EXPECTED) == sorted(FAMILIES)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_is_exact_or_refuses(surveyed, worst_errors, family, kind, world):
+    want = expected(family, kind)
+    for rank, results in enumerate(surveyed(world, kind)):
+        outcome, detail = results[family]
+        assert outcome in ACCEPTABLE, (
+            f"{family}, W={world}, {kind}, rank {rank}: {outcome}: {detail}")
+        assert outcome == want, (
+            f"{family}, W={world}, {kind}, rank {rank}: {outcome} (expected {want}): {detail}")
+        if outcome == EXACT:
+            for name in ("logits", "loss", "grads"):
+                key = ("HF families", name)  # printed in make test's summary of worst errors
+                worst_errors[key] = (max(worst_errors.get(key, (0.0, TOL))[0], detail[name]), TOL)
