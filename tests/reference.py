@@ -26,12 +26,13 @@ def visible(seqlen: int, causal: bool, window: tuple[int, int]) -> torch.Tensor:
     return ok
 
 
-def attention(q, k, v, ok, scale=None, softcap=0.0, sinks=None):
+def attention(q, k, v, ok, scale=None, softcap=0.0, sinks=None, alibi=None):
     """Dense attention: q [B,S,H,D], k/v [B,S,Hkv,D|Dv], ok [S,S] or [B|1,H|1,S,S] ->
     out [B,S,H,Dv], lse [B,H,S]. A row that sees no key gives out = 0 and lse = -inf.
     ``softcap`` > 0: scores become softcap * tanh(scores / softcap) (Gemma 2). ``sinks`` [H]:
     one more logit per head in the softmax whose value is 0 (gpt-oss): the scores get a
-    column of sinks, the softmax runs over both, and the column is dropped (its definition)."""
+    column of sinks, the softmax runs over both, and the column is dropped (its definition).
+    ``alibi`` [H]: -alibi[h] * |i - j| is added after soft-capping (flash-attn's ALiBi)."""
     h, hkv = q.shape[2], k.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     qh = q.transpose(1, 2)
@@ -40,6 +41,10 @@ def attention(q, k, v, ok, scale=None, softcap=0.0, sinks=None):
     s = (qh @ kh.transpose(-1, -2)) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
+    if alibi is not None:
+        n = s.shape[-1]
+        dist = (torch.arange(n)[:, None] - torch.arange(n)[None, :]).abs().to(s.dtype)
+        s = s - alibi.to(s.dtype).view(1, h, 1, 1) * dist
     s = s.masked_fill(~ok, float("-inf"))
     if sinks is not None:
         col = sinks.to(s.dtype).view(1, h, 1, 1).expand(*s.shape[:3], 1)

@@ -153,6 +153,8 @@ def _describe(name: str, value: int) -> str:
         return "none" if value == -2 else f"cu_seqlens with digest {value}"
     if name == "sinks":
         return "no sinks" if value == 0 else "sinks"
+    if name == "alibi_slopes":
+        return "no ALiBi" if value == -2 else f"ALiBi slopes with digest {value}"
     return str(value)
 
 
@@ -200,8 +202,10 @@ def _check_shard_tag(name, t, layout_name, seqlen, cu_digest):
 
 
 def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seqlen, mask,
-                 cu_seqlens, kernel, backward_overlap, return_lse, pg, softcap, sinks):
-    """Validate this rank's inputs and plan its ring; return (spec, plan, kernel, fields)."""
+                 cu_seqlens, kernel, backward_overlap, return_lse, pg, softcap, sinks,
+                 alibi_slopes=None):
+    """Validate this rank's inputs and plan its ring; return (spec, plan, kernel, layout,
+    fields)."""
     world = comm.world
     if backward_overlap not in BACKWARD_OVERLAP:
         raise ValueError(
@@ -253,6 +257,7 @@ def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seql
             raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
     if isinstance(softcap, (int, float)) and not isinstance(softcap, bool):
         softcap = float(softcap)
+    slopes = _alibi_slopes(alibi_slopes, h)
     backend = str(dist.get_backend(pg))
     if (backend == "nccl" and q.device.type != "cuda") or (backend == "gloo" and q.device.type != "cpu"):
         raise ValueError(f"tensors on {q.device} cannot travel over a {backend!r} process group")
@@ -284,7 +289,7 @@ def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seql
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
     spec = AttnSpec(
         causal=causal, window_size=tuple(window_size), softmax_scale=softmax_scale,
-        seqlen=seqlen, layout=lay.name, softcap=softcap,
+        seqlen=seqlen, layout=lay.name, softcap=softcap, alibi_slopes=slopes,
     )
     cu_digest = -2 if cu is None else zlib.crc32(repr(cu).encode()) & 0x7FFFFFFF
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -292,6 +297,7 @@ def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seql
     full_mask = _effective_mask(spec, mask, cu)
     general = full_mask.band is None
     needs = frozenset(({"softcap"} if spec.softcap else set())
+                      | ({"alibi"} if slopes is not None else set())
                       | ({"value_dim"} if v.shape[3] != d else set()))
     kern = get_kernel(kernel, q.device, q.dtype, general=general, needs=needs)
     digest = fingerprint(full_mask, seqlen, b, h, q.device)
@@ -302,6 +308,7 @@ def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seql
         "batch": b, "local_len": n, "heads": h, "kv_heads": hkv, "head_dim": d,
         "value_head_dim": v.shape[3], "softcap": _float_bits(spec.softcap),
         "sinks": int(sinks is not None),
+        "alibi_slopes": -2 if slopes is None else zlib.crc32(struct.pack(f"<{h}d", *slopes)) & 0x7FFFFFFF,
         "dtype": _DTYPES.index(q.dtype), "device": _DEVICES.index(q.device.type),
         "layout": _LAYOUT_NAMES.index(lay.name), "seqlen": seqlen, "causal": int(causal),
         "window_left": spec.window_size[0], "window_right": spec.window_size[1],
@@ -314,11 +321,33 @@ def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seql
         "last_step": plan.last_step,
         "return_lse": int(bool(return_lse)),
     }
-    return spec, plan, kern, fields
+    return spec, plan, kern, lay, fields
+
+
+def _alibi_slopes(alibi_slopes, heads: int):
+    """ALiBi slopes as a tuple of H floats (None for None)."""
+    if alibi_slopes is None:
+        return None
+    if isinstance(alibi_slopes, torch.Tensor):
+        if alibi_slopes.requires_grad:
+            raise TypeError("alibi_slopes are constants (no gradient), as in flash-attn")
+        values = alibi_slopes.detach().to("cpu", torch.float64).reshape(-1).tolist()
+        shape = tuple(alibi_slopes.shape)
+    elif isinstance(alibi_slopes, (list, tuple)):
+        values, shape = [float(x) for x in alibi_slopes], (len(alibi_slopes),)
+    else:
+        raise TypeError(f"alibi_slopes must be a tensor or a list of H floats, got "
+                        f"{type(alibi_slopes).__name__}")
+    if shape != (heads,):
+        raise ValueError(f"alibi_slopes must have shape [H]=[{heads}], got {shape}")
+    if not all(math.isfinite(x) for x in values):
+        raise ValueError(f"alibi_slopes must be finite, got {values}")
+    return tuple(values)
 
 
 _FIELD_NAMES = (
     "batch", "local_len", "heads", "kv_heads", "head_dim", "value_head_dim", "softcap", "sinks",
+    "alibi_slopes",
     "dtype", "device", "layout",
     "seqlen", "causal", "window_left", "window_right", "softmax_scale", "kernel", "needs_grad",
     "mask", "cu_seqlens", "last_step", "return_lse",
@@ -343,6 +372,7 @@ def ring_attention(
     backward_overlap: str = "all",
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    alibi_slopes=None,
 ):
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -409,6 +439,9 @@ def ring_attention(
             head in every row's softmax denominator, with value 0 (a row then sums to less
             than 1). lse includes it. Its gradient on each rank is the share of this rank's
             queries: sum it over the group, as any parameter's under CP.
+        alibi_slopes: [H] floats (flash-attn's ``alibi_slopes``, constants): adds
+            ``-alibi_slopes[h] * |i - j|`` to the score of query i and key j (GLOBAL
+            positions, after soft-capping). Computed by the reference kernel.
 
     Returns:
         out [B, S_local, H, Dv] in q's dtype, or (out, lse) with lse [B, H, S_local] float32
@@ -432,13 +465,15 @@ def ring_attention(
             layout=layout, seqlen=seqlen, cu_seqlens=cu_seqlens,
             mask_key=mask if isinstance(mask, int) else mask_key(mask),
             return_lse=bool(return_lse), kernel=kernel or "auto",
-            backward_overlap=backward_overlap, softcap=float(softcap), sinks=sinks)
+            backward_overlap=backward_overlap, softcap=float(softcap), sinks=sinks,
+            alibi_slopes=alibi_slopes)
         return (out, lse) if return_lse else out
     ring = build_ring(
         q, k, v, group=group, causal=causal, window_size=window_size,
         softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask,
         cu_seqlens=cu_seqlens, return_lse=return_lse, kernel=kernel,
         backward_overlap=backward_overlap, softcap=softcap, sinks=sinks,
+        alibi_slopes=alibi_slopes,
     )
     q, k, v = unit_stride(q, k, v)
     with _no_autocast(q.device.type):  # the kernels accumulate in fp32 themselves
@@ -471,7 +506,7 @@ def unit_stride(*tensors):
 
 def build_ring(q, k, v, *, group, causal, window_size, softmax_scale, layout, seqlen, mask,
                cu_seqlens, return_lse, kernel, backward_overlap, softcap=0.0, sinks=None,
-               extra_fields=(), extra_check=None) -> Ring:
+               alibi_slopes=None, extra_fields=(), extra_check=None) -> Ring:
     """Validate every rank's inputs, agree on them in one metadata all-gather, plan the ring.
 
     ``extra_check`` (optional) runs inside the validation: it checks a caller's own inputs
@@ -486,16 +521,16 @@ def build_ring(q, k, v, *, group, causal, window_size, softmax_scale, layout, se
     error, fields = None, dict.fromkeys(_FIELD_NAMES + tuple(extra_fields), -1)
     try:
         extra = () if extra_check is None else tuple(extra_check())
-        spec, plan, kern, checked = _check_local(
+        spec, plan, kern, lay, checked = _check_local(
             q, k, v, comm, causal, window_size, softmax_scale, layout, seqlen, mask,
-            cu_seqlens, kernel, backward_overlap, return_lse, pg, softcap, sinks,
+            cu_seqlens, kernel, backward_overlap, return_lse, pg, softcap, sinks, alibi_slopes,
         )
         checked.update(zip(extra_fields, extra, strict=True))
         fields = checked
     except (TypeError, ValueError) as exc:  # reported on every rank by agree() below
         error = exc
     last = agree(pg, fields, error, _describe, reduce=("last_step",))["last_step"]
-    return Ring(comm, spec, plan, kern, last + 1, backward_overlap)
+    return Ring(comm, spec, plan, kern, last + 1, backward_overlap, lay)
 
 
 # the custom ops build on the functions above (torch.compile's entry into the ring)

@@ -52,20 +52,21 @@ def _call_args(cu_seqlens, group_name, causal, window_left, window_right, softma
 @torch.library.custom_op("ringattn::ring_attention", mutates_args=())
 def _ring_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
-    cu_seqlens: torch.Tensor, group_name: str, causal: bool, window_left: int,
+    cu_seqlens: torch.Tensor, alibi_slopes: torch.Tensor, group_name: str, causal: bool, window_left: int,
     window_right: int, softmax_scale: float, layout: str, seqlen: int, mask_key: int,
     softcap: float, kernel: str, backward_overlap: str, return_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     args = _call_args(cu_seqlens, group_name, causal, window_left, window_right,
                       softmax_scale, layout, seqlen, mask_key)
     ring = build_ring(q, k, v, **args, return_lse=return_lse, kernel=kernel,
-                      backward_overlap=backward_overlap, softcap=softcap, sinks=_optional(sinks))
+                      backward_overlap=backward_overlap, softcap=softcap, sinks=_optional(sinks),
+                      alibi_slopes=_optional(alibi_slopes))
     out, lse = attention_forward(q, k, v, _optional(sinks), ring)
     return out, lse, torch.tensor(ring.steps, dtype=torch.int64)
 
 
 @_ring_attention_op.register_fake
-def _(q, k, v, sinks, cu_seqlens, group_name, causal, window_left, window_right,
+def _(q, k, v, sinks, cu_seqlens, alibi_slopes, group_name, causal, window_left, window_right,
       softmax_scale, layout, seqlen, mask_key, softcap, kernel, backward_overlap, return_lse):
     b, n, h, _ = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -78,7 +79,7 @@ def _(q, k, v, sinks, cu_seqlens, group_name, causal, window_left, window_right,
 def _ring_attention_backward_op(
     dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
-    cu_seqlens: torch.Tensor, steps: torch.Tensor, group_name: str, causal: bool,
+    cu_seqlens: torch.Tensor, alibi_slopes: torch.Tensor, steps: torch.Tensor, group_name: str, causal: bool,
     window_left: int, window_right: int, softmax_scale: float, layout: str, seqlen: int,
     mask_key: int, softcap: float, kernel: str, backward_overlap: str, return_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -87,11 +88,11 @@ def _ring_attention_backward_op(
     pg = args.pop("group")
     comm = RingComm(pg)
     # validated and agreed in forward: the cached plan, no second agreement
-    spec, plan, kern, _ = _check_local(
+    spec, plan, kern, lay, _ = _check_local(
         q, k, v, comm, args["causal"], args["window_size"], args["softmax_scale"],
         args["layout"], args["seqlen"], args["mask"], args["cu_seqlens"], kernel,
-        backward_overlap, return_lse, pg, softcap, _optional(sinks))
-    ring = Ring(comm, spec, plan, kern, int(steps), backward_overlap)
+        backward_overlap, return_lse, pg, softcap, _optional(sinks), _optional(alibi_slopes))
+    ring = Ring(comm, spec, plan, kern, int(steps), backward_overlap, lay)
     dq, dk, dv, dsinks = attention_backward(
         ring, return_lse, q, k, v, out, lse, _optional(sinks), dout, _optional(dlse),
         sinks.numel() > 0)
@@ -100,7 +101,7 @@ def _ring_attention_backward_op(
 
 
 @_ring_attention_backward_op.register_fake
-def _(dout, dlse, q, k, v, out, lse, sinks, cu_seqlens, steps, *plain):
+def _(dout, dlse, q, k, v, out, lse, sinks, cu_seqlens, alibi_slopes, steps, *plain):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(sinks)
 
 
@@ -109,21 +110,21 @@ _PLAIN = ("group_name", "causal", "window_left", "window_right", "softmax_scale"
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, sinks, cu_seqlens, *plain = inputs
+    q, k, v, sinks, cu_seqlens, alibi_slopes, *plain = inputs
     out, lse, steps = output
-    ctx.save_for_backward(q, k, v, out, lse, sinks, cu_seqlens, steps)
+    ctx.save_for_backward(q, k, v, out, lse, sinks, cu_seqlens, alibi_slopes, steps)
     ctx.plain = dict(zip(_PLAIN, plain))
 
 
 def _backward(ctx, dout, dlse, _dsteps):
-    q, k, v, out, lse, sinks, cu_seqlens, steps = ctx.saved_tensors
+    q, k, v, out, lse, sinks, cu_seqlens, alibi_slopes, steps = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     if dlse is None or not ctx.plain["return_lse"]:  # lse not returned: no gradient on it
         dlse = lse.new_empty(0)
     dq, dk, dv, dsinks = torch.ops.ringattn.ring_attention_backward(
-        dout, dlse, q, k, v, out, lse, sinks, cu_seqlens, steps, **ctx.plain)
-    return dq, dk, dv, (dsinks if sinks.numel() else None), None, *([None] * len(_PLAIN))
+        dout, dlse, q, k, v, out, lse, sinks, cu_seqlens, alibi_slopes, steps, **ctx.plain)
+    return dq, dk, dv, (dsinks if sinks.numel() else None), None, None, *([None] * len(_PLAIN))
 
 
 _ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -132,13 +133,15 @@ _ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
 def compiled_ring_attention(q, k, v, *, group_name: str, causal: bool, window_size,
                             softmax_scale: float, layout: str, seqlen: int | None, mask_key: int,
                             cu_seqlens, return_lse: bool, kernel: str, backward_overlap: str,
-                            softcap: float, sinks):
+                            softcap: float, sinks, alibi_slopes=None):
     """``ring_attention`` through the custom ops (the caller resolved every plain value)."""
     empty = q.new_empty(0)
     cu = (torch.empty(0, dtype=torch.int64) if cu_seqlens is None
           else torch.as_tensor(cu_seqlens, dtype=torch.int64))
+    slopes = (torch.empty(0, dtype=torch.float64) if alibi_slopes is None
+              else torch.as_tensor(alibi_slopes, dtype=torch.float64))
     out, lse, _ = torch.ops.ringattn.ring_attention(
-        q, k, v, empty if sinks is None else sinks, cu, group_name, causal,
+        q, k, v, empty if sinks is None else sinks, cu, slopes, group_name, causal,
         int(window_size[0]), int(window_size[1]), softmax_scale, layout,
         -1 if seqlen is None else seqlen, mask_key, softcap, kernel, backward_overlap,
         return_lse)

@@ -15,11 +15,13 @@ its K/V, gaining each rank's contribution, until it arrives home after a full tu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
 from .comm import RingComm
 from .kernels import Kernel
+from .layouts import Layout, local_positions
 from .merge import merge_
 from .plan import Plan
 from .spec import AttnSpec, accumulator_dtype
@@ -39,15 +41,34 @@ class Ring:
     """Ring steps taken: 1 + the last step at which ANY rank has a block (agreed by all
     ranks). K/V stop travelling after it; the dK/dV accumulators then go straight home."""
     backward_overlap: str = "all"
+    layout: Layout | None = None
+    """Where tokens live (needed only for position-dependent scores: ALiBi)."""
 
     def blocks(self, step: int):
         return self.plan.steps[step]
 
-    @property
-    def kernel_options(self) -> dict:
+    def kernel_options(self, step: int, blk, device) -> dict:
         """Keyword arguments for the kernel beyond (q, k, v, scale, mask): only what is
-        used, so kernels that never soft-cap need not take the argument."""
-        return {"softcap": self.spec.softcap} if self.spec.softcap else {}
+        used, so kernels that never soft-cap (or bias) need not take the arguments. ALiBi
+        gets the slopes and the GLOBAL positions of the block's rows and columns."""
+        opts = {"softcap": self.spec.softcap} if self.spec.softcap else {}
+        if self.spec.alibi_slopes is not None:
+            w, s, me = self.comm.world, self.spec.seqlen, self.comm.rank
+            q_pos = _positions_on(self.layout, me, w, s, str(device))
+            kv_pos = _positions_on(self.layout, (me - step) % w, w, s, str(device))
+            slopes = _slopes_on(self.spec.alibi_slopes, str(device))
+            opts["alibi"] = (slopes, q_pos[blk.q_start:blk.q_stop], kv_pos[blk.k_start:blk.k_stop])
+        return opts
+
+
+@lru_cache(maxsize=64)
+def _positions_on(layout: Layout, rank: int, world: int, seqlen: int, device: str):
+    return local_positions(layout, rank, world, seqlen).to(device)
+
+
+@lru_cache(maxsize=64)
+def _slopes_on(slopes: tuple[float, ...], device: str):
+    return torch.tensor(slopes, dtype=torch.float64, device=device)
 
 
 def ring_forward(q_BLHD, k_BLHD, v_BLHD, ring: Ring, keep_accumulator: bool = False):
@@ -55,7 +76,7 @@ def ring_forward(q_BLHD, k_BLHD, v_BLHD, ring: Ring, keep_accumulator: bool = Fa
     the accumulator dtype with ``keep_accumulator`` (for callers that merge more keys in)."""
     b, n, h, _ = q_BLHD.shape
     acc = accumulator_dtype(q_BLHD.dtype)
-    steps, scale, opts = ring.steps, ring.spec.softmax_scale, ring.kernel_options
+    steps, scale = ring.steps, ring.spec.softmax_scale
     out_BLHD = torch.zeros(b, n, h, v_BLHD.shape[3], dtype=acc, device=q_BLHD.device)
     lse_BHL = torch.full((b, h, n), float("-inf"), dtype=acc, device=q_BLHD.device)
     kv, split = _kv_buffer(k_BLHD, v_BLHD, steps)
@@ -67,7 +88,8 @@ def ring_forward(q_BLHD, k_BLHD, v_BLHD, ring: Ring, keep_accumulator: bool = Fa
         for blk in ring.blocks(step):
             rows, cols = slice(blk.q_start, blk.q_stop), slice(blk.k_start, blk.k_stop)
             o, lse = ring.kernel.forward(
-                q_BLHD[:, rows], k_[:, cols], v_[:, cols], scale, blk.mask, **opts
+                q_BLHD[:, rows], k_[:, cols], v_[:, cols], scale, blk.mask,
+                **ring.kernel_options(step, blk, q_BLHD.device),
             )
             if any(lo < blk.q_stop and blk.q_start < hi for lo, hi in written):
                 merge_(out_BLHD[:, rows], lse_BHL[:, :, rows], o, lse)
@@ -103,7 +125,6 @@ def ring_backward(dout_BLHD, q_BLHD, k_BLHD, v_BLHD, out_BLHD, lse_BHL, ring: Ri
     """
     acc = accumulator_dtype(q_BLHD.dtype)
     steps, scale, overlap = ring.steps, ring.spec.softmax_scale, ring.backward_overlap
-    opts = ring.kernel_options
     dq_BLHD = torch.zeros(q_BLHD.shape, dtype=acc, device=q_BLHD.device)
     kv, split = _kv_buffer(k_BLHD, v_BLHD, steps)
     dk_width = k_BLHD.shape[3]
@@ -124,7 +145,8 @@ def ring_backward(dout_BLHD, q_BLHD, k_BLHD, v_BLHD, out_BLHD, lse_BHL, ring: Ri
             rows, cols = slice(blk.q_start, blk.q_stop), slice(blk.k_start, blk.k_stop)
             dq, dk, dv = ring.kernel.backward(
                 dout_BLHD[:, rows], q_BLHD[:, rows], k_[:, cols], v_[:, cols],
-                out_BLHD[:, rows], lse_BHL[:, :, rows], scale, blk.mask, **opts,
+                out_BLHD[:, rows], lse_BHL[:, :, rows], scale, blk.mask,
+                **ring.kernel_options(step, blk, q_BLHD.device),
             )
             dq_BLHD[:, rows] += dq
             pending.append((cols, dk, dv))

@@ -42,6 +42,10 @@ class AttnSpec:
     softcap: float = 0.0
     """Soft-capping of the scaled scores, ``softcap * tanh(s / softcap)`` (Gemma 2); 0: none."""
 
+    alibi_slopes: tuple[float, ...] | None = None
+    """ALiBi: per head h, ``-alibi_slopes[h] * |q - kv|`` (GLOBAL positions) is added to the
+    (soft-capped) scores, as flash-attn defines it; None: no bias."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.causal, bool):
             raise TypeError(f"causal must be a bool, got {self.causal!r}")
@@ -62,6 +66,10 @@ class AttnSpec:
         c = self.softcap
         if not isinstance(c, float) or not math.isfinite(c) or c < 0:
             raise ValueError(f"softcap must be a finite float >= 0 (0: no capping), got {c!r}")
+        a = self.alibi_slopes
+        if a is not None and not (isinstance(a, tuple) and all(
+                isinstance(x, float) and math.isfinite(x) for x in a)):
+            raise ValueError(f"alibi_slopes must be finite floats, got {a!r}")
         if not isinstance(self.seqlen, int) or isinstance(self.seqlen, bool) or self.seqlen < 1:
             raise ValueError(f"seqlen must be an int >= 1, got {self.seqlen!r}")
 

@@ -37,7 +37,8 @@ def function_cases(layout):
         "causal-gqa": dict(causal=True),
         "window-lse": dict(causal=False, window_size=(3, 2), return_lse=True),
         "docs-sinks": dict(causal=True, cu_seqlens=cu, sinks=True),
-        "softcap-mask-mla": dict(causal=True, softcap=2.0, mask=ra.masks.prefix_lm(3), mla=True),
+        "softcap-alibi-mask-mla": dict(causal=True, softcap=2.0, mask=ra.masks.prefix_lm(3),
+                                       alibi_slopes=[0.5, 0.25, 0.125, 0.0625], mla=True),
     }
     results = {}
     for name, opts in cases.items():

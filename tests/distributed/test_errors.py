@@ -76,6 +76,8 @@ ROWS = [  # (id, edit(args, rank), exception, words)
     ("sinks-wrong-shape", _everywhere(lambda a: a.update(sinks=torch.zeros(3))), ValueError, "sinks must have shape"),
     ("sinks-on-one-rank", _on_rank(2, lambda a: a.update(sinks=torch.zeros(4))), ValueError, "sinks"),
     ("sinks-not-tensor", _everywhere(_set(sinks=[0.0] * 4)), TypeError, "sinks must be a float tensor"),
+    ("alibi-wrong-shape", _everywhere(_set(alibi_slopes=[0.5] * 3)), ValueError, "alibi_slopes must have shape"),
+    ("alibi-on-one-rank", _on_rank(1, _set(alibi_slopes=[0.5] * 4)), ValueError, "alibi_slopes"),
     ("dtensor-input", _everywhere(lambda a: a.update(q=_dtensor(a["q"]))), TypeError, ".to_local()"),
     ("layout-differs-from-shard", _everywhere(lambda a: a.update(q=_tagged(a["q"], "striped"))), ValueError, "sharded by ringattn.shard with layout='striped'"),
     ("batch-differs-on-rank2", _on_rank(2, lambda a: a.update(q=a["q"].repeat(2, 1, 1, 1), k=a["k"].repeat(2, 1, 1, 1), v=a["v"].repeat(2, 1, 1, 1))),

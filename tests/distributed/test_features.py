@@ -1,6 +1,6 @@
 """Score modifications and shapes beyond plain attention, exact on every rank and layout:
-soft-capping (Gemma 2), attention sinks (gpt-oss; their gradient too), a value head dim
-that differs from the query's (MLA), and autocast.
+soft-capping (Gemma 2), attention sinks (gpt-oss; their gradient too), ALiBi (global
+distances), a value head dim that differs from the query's (MLA), and autocast.
 
 fp32: ||x - ref|| / ||ref|| <= 1e-5 against float64 attention written from the definitions
 (tests/reference.py). bf16: within 2x the error of the same attention computed eagerly in
@@ -36,6 +36,7 @@ class Case:
     sinks: bool = False
     docs: bool = False
     dilated: bool = False
+    alibi: bool = False
     lse_grad: bool = True
     seed: int = 0
 
@@ -53,6 +54,10 @@ def cases(world):
         Case("mla-wide-v", s, head_dim=12, value_dim=20, seed=8),
         Case("mla-narrow-v-docs", s, head_dim=24, value_dim=8, docs=True, seed=9),
         Case("mla-sinks-softcap", s, head_dim=16, value_dim=8, sinks=True, softcap=2.0, seed=10),
+        Case("alibi-causal", s, alibi=True, seed=11),
+        Case("alibi-window-docs", s, causal=False, window=(4, 3), alibi=True, docs=True, seed=12),
+        Case("alibi-softcap-sinks-mla", s, alibi=True, softcap=2.0, sinks=True, value_dim=8,
+             seed=13),
     ]
 
 
@@ -88,15 +93,16 @@ def _data(case, dtype):
     do = torch.randn(b, s, case.heads, case.value_dim, generator=g).to(dtype)
     dlse = torch.randn(b, case.heads, s, generator=g) if case.lse_grad else None
     sinks = torch.randn(case.heads, generator=g) if case.sinks else None
+    alibi = torch.rand(case.heads, generator=g) if case.alibi else None  # slopes in [0, 1)
     cu = [0, 1, 4, s // 2 + 2, s]
-    return q, k, v, do, dlse, sinks, cu
+    return q, k, v, do, dlse, sinks, alibi, cu
 
 
-def _grads(q, k, v, do, dlse, sinks, ok, case, dtype):
+def _grads(q, k, v, do, dlse, sinks, alibi, ok, case, dtype):
     """out, lse, dq, dk, dv, dsinks of ``attention`` on the whole sequence in ``dtype``."""
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
     sk = None if sinks is None else sinks.detach().to(dtype).requires_grad_()
-    out, lse = attention(*leaves, ok, softcap=case.softcap, sinks=sk)
+    out, lse = attention(*leaves, ok, softcap=case.softcap, sinks=sk, alibi=alibi)
     loss = (out * do.to(dtype)).sum()
     if dlse is not None:
         loss = loss + (torch.where(torch.isfinite(lse), lse, 0.0) * dlse.to(dtype)).sum()
@@ -110,13 +116,13 @@ def run_cases(layout, picked, dtype_name):
     dtype = getattr(torch, dtype_name)
     results = {}
     for case in picked:
-        q, k, v, do, dlse, sinks, cu = _data(case, dtype)
+        q, k, v, do, dlse, sinks, alibi, cu = _data(case, dtype)
         ok, extra = _visibility(case, cu)
-        refs = _grads(q, k, v, do, dlse, sinks, ok, case, torch.float64)
+        refs = _grads(q, k, v, do, dlse, sinks, alibi, ok, case, torch.float64)
         if dtype == torch.float32:
             tols = [FP32_TOL] * len(refs)
         else:
-            eager = _grads(q, k, v, do, dlse, sinks, ok, case, dtype)
+            eager = _grads(q, k, v, do, dlse, sinks, alibi, ok, case, dtype)
             tols = [2 * rel_err(x, r) + (1e-6 if i == 1 else 0.0)
                     for i, (x, r) in enumerate(zip(eager, refs))]
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -125,7 +131,7 @@ def run_cases(layout, picked, dtype_name):
         ql, kl, vl = (ra.shard(t, **kw) for t in leaves)
         out_l, lse_l = ra.ring_attention(
             ql, kl, vl, causal=case.causal, window_size=case.window, softcap=case.softcap,
-            sinks=sk, mask=extra.get("mask"), return_lse=True, **kw)
+            sinks=sk, alibi_slopes=alibi, mask=extra.get("mask"), return_lse=True, **kw)
         assert out_l.dtype == dtype and out_l.shape[-1] == case.value_dim
         loss = (ra.unshard(out_l, **kw) * do).sum()
         if dlse is not None:

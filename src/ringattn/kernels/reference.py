@@ -9,6 +9,8 @@ float32, float64 for float64 inputs), never of the global sequence nor of a whol
 
 Soft-capping (Gemma 2, Grok): the score of a pair is ``cap * tanh(scale * q.k / cap)``;
 its derivative by the raw score is ``1 - tanh^2 = 1 - (s / cap)^2``, applied in backward.
+ALiBi then adds ``-slope_h * |q_pos - kv_pos|`` (global positions; flash-attn's order and
+sign), a constant for the gradients.
 """
 
 from __future__ import annotations
@@ -39,12 +41,18 @@ def _row_tile(mask, rows: slice, nk: int, device):
     return slice(c0, c1), mask.dense(range(rows.start, rows.stop), range(c0, c1), device=device)
 
 
-def _scores(q_BHSD, k_BHSD, scale, softcap, ok):
-    """Masked, scaled (and soft-capped) scores of one row tile."""
+def _scores(q_BHSD, k_BHSD, scale, softcap, ok, alibi, rows: slice, cols: slice):
+    """(masked scores of one row tile, their soft-capped part before the ALiBi bias or
+    None without soft-capping): scaled, soft-capped, biased."""
     s = (q_BHSD @ k_BHSD.transpose(-1, -2)) * scale
+    capped = None
     if softcap:
-        s = torch.tanh(s / softcap) * softcap
-    return s if ok is None else s.masked_fill(~ok, float("-inf"))
+        s = capped = torch.tanh(s / softcap) * softcap
+    if alibi is not None:
+        slopes_H, q_pos, kv_pos = alibi
+        dist = (q_pos[rows, None] - kv_pos[None, cols]).abs().to(s.dtype)
+        s = s - slopes_H.to(s.dtype).view(1, -1, 1, 1) * dist
+    return (s if ok is None else s.masked_fill(~ok, float("-inf"))), capped
 
 
 class ReferenceKernel:
@@ -54,13 +62,14 @@ class ReferenceKernel:
     """General masks are classified in tiles of (rows, cols) for this kernel."""
 
     name = "reference"
-    features = frozenset({"softcap", "value_dim"})
-    """Everything: soft-capping, and a value head dim different from the query's."""
+    features = frozenset({"softcap", "alibi", "value_dim"})
+    """Everything: soft-capping, ALiBi, and a value head dim different from the query's."""
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return dtype.is_floating_point
 
-    def forward(self, q, k, v, scale: float, mask: Band | BlockMask | None, softcap: float = 0.0):
+    def forward(self, q, k, v, scale: float, mask: Band | BlockMask | None, softcap: float = 0.0,
+                alibi=None):
         acc = accumulator_dtype(q.dtype)
         b, sq, h, _ = q.shape
         groups = h // k.shape[2]
@@ -71,7 +80,7 @@ class ReferenceKernel:
             rows = slice(a, min(sq, a + ROW_TILE))
             q_BHSD = q[:, rows].to(acc).transpose(1, 2)
             cols, ok = _row_tile(mask, rows, k.shape[1], q.device)
-            s = _scores(q_BHSD, k_BHSD[:, :, cols], scale, softcap, ok)
+            s, _ = _scores(q_BHSD, k_BHSD[:, :, cols], scale, softcap, ok, alibi, rows, cols)
             lse = torch.logsumexp(s, dim=-1)
             # rows with no visible key: lse = -inf; subtracting 0 there keeps exp(-inf) = 0
             p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
@@ -80,7 +89,7 @@ class ReferenceKernel:
         return out_BSHD, lse_BHS
 
     def backward(self, dout, q, k, v, out, lse, scale: float, mask: Band | BlockMask | None,
-                 softcap: float = 0.0):
+                 softcap: float = 0.0, alibi=None):
         acc = accumulator_dtype(q.dtype)
         b, sk, hkv, d = k.shape
         sq, h = q.shape[1], q.shape[2]
@@ -95,7 +104,7 @@ class ReferenceKernel:
             q_BHSD = q[:, rows].to(acc).transpose(1, 2)
             cols, ok = _row_tile(mask, rows, sk, q.device)
             k_t, v_t = k_BHSD[:, :, cols], v_BHSD[:, :, cols]
-            s = _scores(q_BHSD, k_t, scale, softcap, ok)
+            s, capped = _scores(q_BHSD, k_t, scale, softcap, ok, alibi, rows, cols)
             final = lse[:, :, rows]
             p = torch.exp(s - torch.where(torch.isfinite(final), final, 0.0).unsqueeze(-1))
             do_BHSD = dout[:, rows].to(acc).transpose(1, 2)
@@ -104,8 +113,8 @@ class ReferenceKernel:
             dp = do_BHSD @ v_t.transpose(-1, -2)
             delta = (do_BHSD * o_BHSD).sum(-1, keepdim=True)
             ds = p * (dp - delta)
-            if softcap:  # d cap*tanh(x/cap) / dx = 1 - tanh^2; masked entries have p = 0
-                ds = ds * (1 - (torch.where(p > 0, s, 0.0) / softcap) ** 2)
+            if softcap:  # d cap*tanh(x/cap) / dx = 1 - tanh^2 (of the capped score)
+                ds = ds * (1 - (capped / softcap) ** 2)
             dq_BSHD[:, rows] = ((ds @ k_t) * scale).transpose(1, 2)
             dk_BHSD[:, :, cols] += (ds.transpose(-1, -2) @ q_BHSD) * scale
 

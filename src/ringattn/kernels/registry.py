@@ -9,7 +9,8 @@ The ring loop needs only this protocol:
   and lse of the rows (not this block's), so per-block gradients add up exactly.
 * ``supports(device, dtype) -> bool``, a ``name``, and ``features``: the set of extras it
   computes exactly, from ``FEATURES`` ("softcap": ``softcap`` > 0 is passed to forward and
-  backward; "value_dim": v's head dim may differ from q's and k's, as in MLA).
+  backward; "alibi": ``alibi=(slopes [H], q_pos [Sq], kv_pos [Sk])`` global positions;
+  "value_dim": v's head dim may differ from q's and k's, as in MLA).
 
 ``mask`` is None for an unmasked block, a ``masks.Band`` or a ``masks.BlockMask`` (a block
 of a general mask). ``tile`` says how the plan cuts general masks for this kernel: (rows,
@@ -38,12 +39,12 @@ class Kernel(Protocol):
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool: ...
 
-    def forward(self, q, k, v, scale, mask, softcap=0.0): ...
+    def forward(self, q, k, v, scale, mask, softcap=0.0, alibi=None): ...
 
-    def backward(self, dout, q, k, v, out, lse, scale, mask, softcap=0.0): ...
+    def backward(self, dout, q, k, v, out, lse, scale, mask, softcap=0.0, alibi=None): ...
 
 
-FEATURES = ("softcap", "value_dim")
+FEATURES = ("softcap", "alibi", "value_dim")
 """Extras a kernel may support beyond plain masked attention (see the module docstring)."""
 
 
