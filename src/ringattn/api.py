@@ -490,7 +490,9 @@ def autocast_inputs(q, k, v):
     if dev not in _DEVICES or not torch.is_autocast_enabled(dev):
         return q, k, v
     dtype = torch.get_autocast_dtype(dev)
-    return tuple(t.to(dtype) if t.dtype.is_floating_point else t for t in (q, k, v))
+    # autocast's own rule: float32/16 tensors are cast, float64 ones are left alone
+    low = (torch.float32, torch.float16, torch.bfloat16)
+    return tuple(t.to(dtype) if t.dtype in low else t for t in (q, k, v))
 
 
 def _no_autocast(device_type: str):

@@ -52,7 +52,6 @@ class RingContext:
 
     def __post_init__(self) -> None:
         self.mask_key = mask_key(self.mask)
-        self.group_name = self.group.group_name
 
     def record_call(self) -> None:
         self.calls += 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -534,8 +535,12 @@ def from_function(fn) -> Mask:
     return _Function(fn)
 
 
-_REGISTRY: dict[Mask, int] = {}
+MASK_KEYS_KEPT = 1024
+"""Masks ``mask_key`` remembers (the most recently keyed); older keys are forgotten."""
+
+_REGISTRY: OrderedDict[Mask, int] = OrderedDict()
 _BY_KEY: dict[int, Mask] = {}
+_NEXT_KEY = [0]
 
 
 @torch.compiler.assume_constant_result
@@ -543,15 +548,22 @@ def mask_key(mask: Mask | None) -> int:
     """An int standing for ``mask`` in the custom ops' plain arguments (-1 for None).
 
     Masks equal by value (``Mask.key``) share a key, so a compiled graph specialises on what
-    a mask computes: a new mask value compiles once more, the same value does not. Keys
-    live as long as the process (a mask is small; its plans are cached separately).
+    a mask computes: a new mask value compiles once more, the same value does not. The
+    last ``MASK_KEYS_KEPT`` masks keyed are kept; keys are never reused, so a forgotten
+    key is reported (``registered_mask``), never taken for another mask.
     """
     if mask is None:
         return -1
-    if mask not in _REGISTRY:
-        _REGISTRY[mask] = len(_REGISTRY)
-        _BY_KEY[_REGISTRY[mask]] = mask
-    return _REGISTRY[mask]
+    if mask in _REGISTRY:
+        _REGISTRY.move_to_end(mask)
+        return _REGISTRY[mask]
+    key = _REGISTRY[mask] = _NEXT_KEY[0]
+    _BY_KEY[key] = mask
+    _NEXT_KEY[0] += 1
+    if len(_REGISTRY) > MASK_KEYS_KEPT:
+        _, old = _REGISTRY.popitem(last=False)
+        del _BY_KEY[old]
+    return key
 
 
 def registered_mask(key: int) -> Mask:
@@ -561,7 +573,8 @@ def registered_mask(key: int) -> Mask:
         ValueError: no mask has that key.
     """
     if key not in _BY_KEY:
-        raise ValueError(f"no mask has key {key!r} (keys come from ringattn.masks.mask_key)")
+        raise ValueError(f"no mask has key {key!r}: keys come from ringattn.masks.mask_key, "
+                         f"which keeps the last {MASK_KEYS_KEPT} masks keyed")
     return _BY_KEY[key]
 
 
