@@ -34,19 +34,27 @@ def _launch(cmd, cwd):
     return None if proc.returncode == 0 else (proc.stdout[-3000:] + proc.stderr[-6000:])
 
 
+CP_SCENARIOS = "accumulate,resume,bf16,parallelism"
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(directory, {"ref": failure or None, "cp": failure or None}) of both launches."""
+    """(directory, {"ref": failure or None, "cp": ..., "dp_cp": ...}) of the launches: the
+    one-process reference of every scenario, the 2-rank CP run of the CP scenarios, and the
+    4-rank dp 2 x cp 2 run."""
     out = tmp_path_factory.mktemp("trainer")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     failures = {
         "ref": _launch([sys.executable, str(RUN), "--ref", "--out", str(out / "ref")], out),
-        "cp": _launch([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       "--nproc-per-node", str(WORLD), str(RUN), "--out", str(out / "cp")], out),
+        "cp": _launch([*torchrun, str(WORLD), str(RUN), "--out", str(out / "cp"),
+                       "--scenarios", CP_SCENARIOS], out),
+        "dp_cp": _launch([*torchrun, "4", str(RUN), "--out", str(out / "dp_cp"),
+                          "--scenarios", "dp_cp"], out),
     }
     return out, failures
 
 
-def _results(runs, scenario):
+def _results(runs, scenario, kind="cp", world=WORLD):
     """(the one-process results, [each rank's results]) of one scenario."""
     out, failures = runs
 
@@ -56,7 +64,7 @@ def _results(runs, scenario):
             pytest.fail(f"{kind} rank {rank} wrote no {scenario} results:\n{failures[kind]}")
         return json.loads(path.read_text())
 
-    return load("ref", 0), [load("cp", rank) for rank in range(WORLD)]
+    return load("ref", 0), [load(kind, rank) for rank in range(world)]
 
 
 def _record(worst_errors, key, err, tol):
@@ -173,3 +181,14 @@ def test_parallelism_config_is_refused_by_accelerate_on_cpu_ranks(runs):
     for rank, got in enumerate(ranks):
         error = got["error"] or ""
         assert "MULTI_CPU" in error or "RingTrainer runs the whole world" in error, (rank, got)
+
+
+@pytest.mark.timeout(600)
+def test_dp_x_cp_steps_like_one_process_with_the_global_batch(runs, worst_errors):
+    """RingTrainer(cp_size=2) on 4 ranks: each dp replica reads its 2 rows of every global
+    batch of 4, its 2 ranks shard them; every rank logs the losses and gradient norms (and
+    eval loss) of one process reading 4-row batches."""
+    ref, per_rank = _results(runs, "dp_cp", kind="dp_cp", world=4)
+    for rank, res in enumerate(per_rank):
+        for key in ("loss", "grad_norm", "eval_loss"):
+            _assert_close(worst_errors, f"dp x cp {key}", res[key], ref[key], rank)

@@ -20,6 +20,9 @@ Scenarios (``--scenarios``, comma separated):
   how far plain bf16 runs land from fp32 is the rounding the CP run is allowed.
 * ``parallelism``: a ``ParallelismConfig`` (cp_size 2) on the CPU ranks; records
   accelerate's refusal (CP run only).
+* ``dp_cp``: ``RingTrainer(cp_size=2)`` on 4 ranks (dp 2 x cp 2, 2 rows per replica)
+  against one process with batches of 4 rows: three steps (into the second epoch) with
+  no accumulation, then ``evaluate``.
 """
 
 import argparse
@@ -71,7 +74,7 @@ def logged(trainer, key, after=0):
     return [h[key] for h in trainer.state.log_history if key in h and h["step"] > after]
 
 
-def make_trainer(ref, out, attn="eager", **overrides):
+def make_trainer(ref, out, attn="eager", cp_size=None, **overrides):
     from transformers import Trainer, TrainingArguments
 
     from ringattn.integrations.hf_trainer import RingTrainer
@@ -87,7 +90,7 @@ def make_trainer(ref, out, attn="eager", **overrides):
     if ref:  # a plain Trainer in one process: its own data order, loss and logging
         return Trainer(model=tiny_causal_lm("llama", attn), args=targs, **data)
     return RingTrainer(model=tiny_causal_lm("llama", "ringattn"), args=targs, layout="zigzag",
-                       **data)
+                       cp_size=cp_size, **data)
 
 
 def accumulate(ref, out):
@@ -154,8 +157,19 @@ def parallelism(ref, out):
     return {"error": None}
 
 
+def dp_cp(ref, out):
+    """dp 2 x cp 2 against one process reading the replicas' rows as one batch."""
+    kw = dict(max_steps=3, per_device_eval_batch_size=2)
+    trainer = (make_trainer(ref, out / "dp_cp", per_device_train_batch_size=4, **kw) if ref
+               else make_trainer(ref, out / "dp_cp", cp_size=2, **kw))
+    trainer.train()
+    res = {"loss": logged(trainer, "loss"), "grad_norm": logged(trainer, "grad_norm")}
+    res["eval_loss"] = trainer.evaluate()["eval_loss"]
+    return res
+
+
 SCENARIOS = {"accumulate": accumulate, "resume": resume, "bf16": bf16,
-             "parallelism": parallelism}
+             "parallelism": parallelism, "dp_cp": dp_cp}
 
 
 def main():

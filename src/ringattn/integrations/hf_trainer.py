@@ -46,25 +46,29 @@ arguments, up to floating-point rounding. What it changes, and why:
 
 Refused, loudly: ``compute_loss_func`` and ``label_smoothing_factor`` (Trainer would apply
 them to the local shard's logits with a local normalisation), other sampling strategies,
-and a ``parallelism_config`` with any dimension above 1 (below).
+and a ``parallelism_config`` with any dimension above 1 (use ``cp_size``, below).
 
-dp x cp (``TrainingArguments(parallelism_config=ParallelismConfig(dp_shard_size=...,
-cp_size=...))`` with FSDP2, ring attention on the cp dimension) is refused: it cannot run,
-so cannot be tested, on CPU ranks. With transformers 5.23 and accelerate 1.15 on gloo CPU
-ranks (``use_cpu=True`` under torchrun) ``Trainer.__init__`` fails before any RingTrainer
-code runs: accelerate's distributed type is MULTI_CPU, and
+dp x cp: ``RingTrainer(..., cp_size=c)`` arranges the W ranks as a (W / c) x c mesh and
+trains with DDP over all of them: each dp replica reads its rows of every global batch
+(what one process with ``per_device_train_batch_size x W / c`` rows reads), its c ranks
+shard them with ring attention, the target count is summed over the replicas, and
+the loss is scaled by W as above (tested: dp 2 x cp 2 on 4 CPU ranks equals one process
+with 4-row batches).
+
+Through ``TrainingArguments(parallelism_config=ParallelismConfig(dp_shard_size=...,
+cp_size=...))`` (accelerate's FSDP2 + torch CP path) it is refused: with transformers 5.23
+and accelerate 1.15 on gloo CPU ranks (``use_cpu=True`` under torchrun) ``Trainer.__init__``
+fails before any RingTrainer code runs: accelerate's distributed type is MULTI_CPU, and
 ``ParallelismConfig._validate_accelerator`` accepts only FSDP2, the multi-accelerator
 types (GPU, XPU, NPU, ...) or DeepSpeed ("ParallelismConfig is only compatible
 DistributedType.FSDP (version 2) or DistributedType.Multi{Device} or
 DistributedType.DEEPSPEED, but got DistributedType.MULTI_CPU"). Nor is FSDP ever enabled on
 CPU: ``AcceleratorState`` switches to FSDP only for accelerator device types (where
 cp_size > 1 also demands an FSDP2 plugin), so ``fsdp=True`` on CPU ranks trains with DDP,
-which this trainer handles. Supporting dp x cp (on GPUs) would take: loaders split over dp
-only (accelerate's, which give the cp ranks of a mesh the same batches), the target count
-summed over dp, ``shard_batch`` and the reductions of ``prediction_step`` over
-``mesh["cp"]``, the gather of ``evaluation_loop`` over dp, and an override of Trainer's
-``_prepare_context_parallel_inputs`` (which requires sdpa) returning a null context.
-FSDP2 over a dp x cp mesh with ring attention, without Trainer:
+which this trainer handles. On GPUs that path would also need an override of Trainer's
+``_prepare_context_parallel_inputs`` (which requires sdpa) returning a null context, and
+accelerate's own CP refuses sliding-window layers; it is not wired in because nothing here
+can test it. FSDP2 over a dp x cp mesh with ring attention, without Trainer:
 tests/integration/test_fsdp_cp.py.
 """
 
@@ -94,6 +98,13 @@ class RingTrainer(Trainer):
 
     Arguments (besides Trainer's):
         layout: "zigzag" (per document for packed batches), "contiguous" or "striped".
+        cp_size: ranks per context-parallel group; None: the whole world. With W ranks and
+            ``cp_size`` c, the ranks form a (W / c) x c mesh ("dp", "cp"): each dp replica
+            reads its own rows of every global batch of ``per_device_train_batch_size x
+            W / c`` rows (the rows one process would read with that batch size), its c ranks
+            shard them along the sequence, and DDP averages over all W ranks (gradients
+            and the logged loss equal one process with the global batch). Evaluation and
+            prediction run the whole eval set on every dp replica (redundant, exact).
 
     Raises:
         ValueError: a model ``integrations.transformers.check_model`` refuses (and, at the
@@ -107,7 +118,8 @@ class RingTrainer(Trainer):
     # compute_loss divides by the targets of the whole accumulated batch (get_batch_samples)
     loss_is_scaled_for_ga = True
 
-    def __init__(self, *args, layout: str = DEFAULT_LAYOUT, **kwargs):
+    def __init__(self, *args, layout: str = DEFAULT_LAYOUT, cp_size: int | None = None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         if not dist.is_initialized():
             raise ValueError("RingTrainer needs torch.distributed initialised: launch it with "
@@ -130,17 +142,20 @@ class RingTrainer(Trainer):
                 f"supported (see ringattn.integrations.hf_trainer's docstring)")
         check_model(self.model)
         self.layout = layout
+        self.cp_group, self.dp_group, self.dp_rank, self.dp_size = _mesh(cp_size, self.args.device)
 
     def _shard(self, inputs: dict) -> dict:
         """This rank's shard of a batch dict (``shard_batch`` over the whole world;
         non-tensor entries dropped)."""
         batch = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-        return shard_batch(batch, layout=self.layout)
+        return shard_batch(batch, group=self.cp_group, layout=self.layout)
 
     # ---- data: the same batches on every rank ---------------------------------------
 
-    def _same_on_every_rank(self, dataset, batch_size: int, description: str, shuffle: bool):
-        """A loader giving every rank the batches a one-process Trainer would see."""
+    def _same_on_every_rank(self, dataset, batch_size: int, description: str, shuffle: bool,
+                            replicas: int = 1, replica: int = 0):
+        """A loader giving every rank the batches a one-process Trainer would see (with
+        ``replicas`` > 1: replica ``replica``'s share of each of them)."""
         from accelerate.data_loader import prepare_data_loader
         from transformers.utils import is_datasets_available
 
@@ -157,16 +172,19 @@ class RingTrainer(Trainer):
                             num_workers=self.args.dataloader_num_workers,
                             pin_memory=self.args.dataloader_pin_memory)
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        # num_processes=1: not split over ranks; the seedable sampler is forced on (with
-        # a plain RandomSampler the ranks would each draw their own order)
-        return prepare_data_loader(loader, self.args.device, num_processes=1, process_index=0,
-                                   put_on_device=True, use_seedable_sampler=True, data_seed=seed)
+        # split over the dp replicas only (the cp ranks of a replica read the same rows);
+        # the seedable sampler is forced on (with a plain RandomSampler the ranks would
+        # each draw their own order)
+        return prepare_data_loader(loader, self.args.device, num_processes=replicas,
+                                   process_index=replica, put_on_device=True,
+                                   use_seedable_sampler=True, data_seed=seed)
 
     def get_train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             raise ValueError("RingTrainer: training requires a train_dataset")
         return self._same_on_every_rank(self.train_dataset, self._train_batch_size, "Training",
-                                        shuffle=self.args.train_sampling_strategy == "random")
+                                        shuffle=self.args.train_sampling_strategy == "random",
+                                        replicas=self.dp_size, replica=self.dp_rank)
 
     def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
         if eval_dataset is None and self.eval_dataset is None:
@@ -201,7 +219,10 @@ class RingTrainer(Trainer):
         counts = [s["num_items_in_batch"] for s in shards if "num_items_in_batch" in s]
         if not counts:
             return shards, None
-        return shards, torch.stack(counts).sum().to(device)
+        total = torch.stack(counts).sum().to(device)
+        if self.dp_size > 1:  # the targets of every replica's rows: the global batch's
+            dist.all_reduce(total, group=self.dp_group)
+        return shards, total
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """This rank's share of the loss, times W (see module doc).
@@ -272,3 +293,22 @@ class RingTrainer(Trainer):
         if state.end_of_dataloader and state.remainder > 0:
             return recursively_apply(lambda t: t[: state.remainder], data)
         return data
+
+
+def _mesh(cp_size, device):
+    """(cp group, dp group or None, dp rank, dp size) for ``cp_size`` ranks per CP group.
+
+    Raises:
+        ValueError: ``cp_size`` does not divide the world size.
+    """
+    world = dist.get_world_size()
+    if cp_size is None or cp_size == world:
+        return dist.group.WORLD, None, 0, 1
+    if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1 or world % cp_size:
+        raise ValueError(f"cp_size must be a divisor of the world size {world}, got {cp_size!r}")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(torch.device(device).type, (world // cp_size, cp_size),
+                            mesh_dim_names=("dp", "cp"))
+    return (mesh["cp"].get_group(), mesh["dp"].get_group(), mesh.get_local_rank("dp"),
+            world // cp_size)
