@@ -207,3 +207,26 @@ def test_autocast_computes_in_the_autocast_dtype(clusters, world):
         assert dtype == torch.bfloat16, rank
         assert all(same), (rank, same)
         assert "share a dtype" in refused, (rank, refused)
+
+
+def default_layout_case():
+    """Rank side: zigzag shards attended WITHOUT layout= (and shards made with defaults)
+    give the float64 result (before, ring_attention defaulted to contiguous and was wrong);
+    returns the worst relative error of out over both."""
+    g = torch.Generator().manual_seed(5)
+    s = 4 * dist.get_world_size() + 3
+    q, k, v = (torch.randn(1, s, 2, 8, generator=g) for _ in range(3))
+    ok = torch.ones(s, s, dtype=torch.bool).tril()
+    ref, _ = attention(q.double(), k.double(), v.double(), ok)
+    errs = []
+    for shard_kw in (dict(layout="zigzag"), {}):
+        local = [ra.shard(t, seqlen=s, **shard_kw) for t in (q, k, v)]
+        out = ra.unshard(ra.ring_attention(*local, causal=True, seqlen=s), seqlen=s)
+        errs.append(rel_err(out, ref))
+    return max(errs)
+
+
+@pytest.mark.timeout(120)
+def test_zigzag_shards_attended_with_defaults_are_exact(clusters):
+    for rank, err in enumerate(clusters(3).run(default_layout_case, timeout=100)):
+        assert err <= FP32_TOL, (rank, err)
