@@ -61,7 +61,8 @@ def _ring_attention_op(
     ring = build_ring(q, k, v, **args, return_lse=return_lse, kernel=kernel,
                       backward_overlap=backward_overlap, softcap=softcap, sinks=_optional(sinks),
                       alibi_slopes=_optional(alibi_slopes))
-    out, lse = attention_forward(q, k, v, _optional(sinks), ring)
+    with torch.autocast(q.device.type, enabled=False):  # kernels pick their own dtypes
+        out, lse = attention_forward(q, k, v, _optional(sinks), ring)
     return out, lse, torch.tensor(ring.steps, dtype=torch.int64)
 
 
@@ -93,9 +94,10 @@ def _ring_attention_backward_op(
         args["layout"], args["seqlen"], args["mask"], args["cu_seqlens"], kernel,
         backward_overlap, return_lse, pg, softcap, _optional(sinks), _optional(alibi_slopes))
     ring = Ring(comm, spec, plan, kern, int(steps), backward_overlap, lay)
-    dq, dk, dv, dsinks = attention_backward(
-        ring, return_lse, q, k, v, out, lse, _optional(sinks), dout, _optional(dlse),
-        sinks.numel() > 0)
+    with torch.autocast(q.device.type, enabled=False):
+        dq, dk, dv, dsinks = attention_backward(
+            ring, return_lse, q, k, v, out, lse, _optional(sinks), dout, _optional(dlse),
+            sinks.numel() > 0)
     dsinks = sinks.new_empty(0) if dsinks is None else dsinks
     return tuple(t.contiguous() for t in (dq, dk, dv, dsinks))  # strides as the fake says
 
