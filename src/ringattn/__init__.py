@@ -16,7 +16,7 @@ Example (every rank runs this; ``pg`` is a process group of W ranks)::
 """
 
 from . import eagle3, kernels, layouts, masks, plan
-from .api import ring_attention
+from .api import ring_attention, ulysses_attention
 from .batch import RingContext, all_reduce_metrics, shard_batch
 from .merge import merge
 from .sharding import positions, shard, unshard
@@ -36,6 +36,7 @@ __all__ = [
     "ring_attention",
     "shard",
     "shard_batch",
+    "ulysses_attention",
     "unshard",
 ]
 __version__ = "0.1.0"

@@ -9,21 +9,23 @@ from __future__ import annotations
 import math
 import struct
 import zlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .comm import RingComm, agree, metadata_device, resolve_group
+from .comm import LocalComm, RingComm, agree, metadata_device, resolve_group
 from .kernels import available_kernels, get_kernel
-from .layouts import DEFAULT_LAYOUT, LAYOUTS, get_layout
-from .masks import (Mask, check_cu_seqlens, document, fingerprint, mask_key, registered_mask,
-                    sliding_window)
-from .plan import make_plan
+from .layouts import DEFAULT_LAYOUT, LAYOUTS, Contiguous, Layout, get_layout
+from .masks import (Mask, check_cu_seqlens, document, fingerprint, head_offset, mask_key,
+                    registered_mask, sliding_window)
+from .plan import Plan, make_plan
 from .ring import BACKWARD_OVERLAP, Ring, ring_backward, ring_forward
 from .sharding import SHARD_TAG
 from .spec import AttnSpec, accumulator_dtype
+from .ulysses import Exchange, head_split, heads_to_seq, seq_to_heads
 
-__all__ = ["ring_attention"]
+__all__ = ["ring_attention", "ulysses_attention"]
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _DEVICES = ("cpu", "cuda")
@@ -153,6 +155,9 @@ def _describe(name: str, value: int) -> str:
         return "none" if value == -2 else f"cu_seqlens with digest {value}"
     if name == "sinks":
         return "no sinks" if value == 0 else "sinks"
+    if name == "grads":
+        wants = [n for i, n in enumerate(("q", "k", "v", "sinks")) if value >> i & 1]
+        return f"gradients for {wants or 'nothing'}"
     if name == "alibi_slopes":
         return "no ALiBi" if value == -2 else f"ALiBi slopes with digest {value}"
     return str(value)
@@ -201,11 +206,25 @@ def _check_shard_tag(name, t, layout_name, seqlen, cu_digest):
             )
 
 
+@dataclass(frozen=True)
+class Checked:
+    """One rank's validated call: what every strategy needs to run it."""
+
+    spec: AttnSpec
+    plan: Plan | None
+    """The ring's plan for this rank (None when not asked for)."""
+    kernel: object
+    layout: Layout
+    mask: Mask
+    """The effective mask: the user's & documents & causal/window, in global positions."""
+    fields: dict
+    """What every rank must agree on (``agree``)."""
+
+
 def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seqlen, mask,
                  cu_seqlens, kernel, backward_overlap, return_lse, pg, softcap, sinks,
-                 alibi_slopes=None):
-    """Validate this rank's inputs and plan its ring; return (spec, plan, kernel, layout,
-    fields)."""
+                 alibi_slopes=None, plan_ring=True) -> Checked:
+    """Validate this rank's inputs and (``plan_ring``) plan its ring."""
     world = comm.world
     if backward_overlap not in BACKWARD_OVERLAP:
         raise ValueError(
@@ -301,8 +320,9 @@ def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seql
                       | ({"value_dim"} if v.shape[3] != d else set()))
     kern = get_kernel(kernel, q.device, q.dtype, general=general, needs=needs)
     digest = fingerprint(full_mask, seqlen, b, h, q.device)
-    plan = make_plan(lay, full_mask, world, comm.rank, seqlen, batch=b, heads=h,
-                     device=q.device, tile=getattr(kern, "tile", (256, 128)), digest=digest)
+    plan = None if not plan_ring else make_plan(
+        lay, full_mask, world, comm.rank, seqlen, batch=b, heads=h, device=q.device,
+        tile=getattr(kern, "tile", (256, 128)), digest=digest)
     names = available_kernels()
     fields = {
         "batch": b, "local_len": n, "heads": h, "kv_heads": hkv, "head_dim": d,
@@ -318,10 +338,10 @@ def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seql
             t is not None and t.requires_grad for t in (q, k, v, sinks))),
         "mask": digest,
         "cu_seqlens": cu_digest,
-        "last_step": plan.last_step,
+        "last_step": 0 if plan is None else plan.last_step,
         "return_lse": int(bool(return_lse)),
     }
-    return spec, plan, kern, lay, fields
+    return Checked(spec, plan, kern, lay, full_mask, fields)
 
 
 def _alibi_slopes(alibi_slopes, heads: int):
@@ -481,6 +501,99 @@ def ring_attention(
     return (out, lse) if return_lse else out
 
 
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group=None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softmax_scale: float | None = None,
+    layout: str = DEFAULT_LAYOUT,
+    seqlen: int | None = None,
+    mask: Mask | None = None,
+    cu_seqlens=None,
+    return_lse: bool = False,
+    kernel=None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes=None,
+):
+    """``ring_attention``'s computation by Ulysses' all-to-all: the same arguments, shards,
+    semantics and guarantees (exact; the same error on every rank before any collective).
+
+    Each rank sends every other rank the heads it will attend with, for its own tokens (one
+    all-to-all each for q, k, v), attends over the WHOLE sequence for its share of the
+    heads, and sends the outputs back (one all-to-all; one more for lse). Any H, Hkv and
+    W: heads split as evenly as possible (a rank may get none when H < W); kv heads are
+    sent only to the ranks whose query heads read them, replicated only where a rank's
+    query heads do not cover whole kv groups (see ``ringattn.ulysses``). Head-dependent
+    masks see global head indices.
+
+    Memory contract: a rank holds q, k, v and out of the whole sequence for its ~H/W heads
+    (S x H/W, the same size as its shards of all heads), no tensor of all heads x S.
+
+    Arguments, Returns, Raises: as ``ring_attention`` (no ``backward_overlap``: nothing is
+    overlapped). sinks' gradient on each rank covers its own heads; sum it over the group.
+    """
+    q, k, v = autocast_inputs(q, k, v)
+    pg = resolve_group(group)
+    comm = RingComm(pg)
+    error, fields = None, dict.fromkeys(_FIELD_NAMES + ("grads",), -1)
+    try:
+        checked = _check_local(
+            q, k, v, comm, causal, window_size, softmax_scale, layout, seqlen, mask,
+            cu_seqlens, kernel, "all", return_lse, pg, softcap, sinks, alibi_slopes,
+            plan_ring=False)
+        # which inputs need a gradient decides which reverse all-to-alls run: agree on it
+        wants = [t is not None and t.requires_grad for t in (q, k, v, sinks)]
+        fields = dict(checked.fields, grads=sum(int(w) << i for i, w in enumerate(wants)))
+    except (TypeError, ValueError) as exc:  # reported on every rank by agree() below
+        error = exc
+    agree(pg, fields, error, _describe)
+    spec = checked.spec
+    b, _, h, d = q.shape
+    world, rank, s = comm.world, comm.rank, spec.seqlen
+    split = head_split(h, k.shape[2], world)
+    ex_q = Exchange(pg, rank, world, checked.layout, s, split.q_heads)
+    ex_kv = Exchange(pg, rank, world, checked.layout, s, split.kv_heads)
+    q_f, k_f, v_f = seq_to_heads((ex_q, ex_kv, ex_kv), q, k, v)  # [B, S_pad, heads_r, D]
+    lo, hi = split.q_range(rank)
+    with _no_autocast(q.device.type):
+        if hi > lo:
+            ring = _local_ring(checked, lo, hi, b, q.device)
+            out_s, lse_s = _RingAttention.apply(
+                *unit_stride(q_f[:, :s], k_f[:, :s], v_f[:, :s]),
+                None if sinks is None else sinks[lo:hi], ring, bool(return_lse))
+        else:  # no head here; still part of the autograd graph, so backward's collectives run
+            zero = (q_f.sum() + k_f.sum() + v_f.sum()) * 0
+            out_s = q_f.new_zeros(b, s, 0, v.shape[3]) + zero.to(q.dtype)
+            lse_s = zero.new_zeros(b, 0, s, dtype=accumulator_dtype(q.dtype)) + zero
+    pad = q_f.shape[1] - s  # the layout's padding slots: out 0, lse -inf
+    out_f = torch.nn.functional.pad(out_s, (0, 0, 0, 0, 0, pad))
+    if not return_lse:
+        return heads_to_seq(ex_q, h, out_f)[0]
+    lse_f = torch.nn.functional.pad(lse_s, (0, pad), value=float("-inf"))
+    out, lse_BLH1 = heads_to_seq(ex_q, h, out_f, lse_f.transpose(1, 2).unsqueeze(-1))
+    return out, lse_BLH1.squeeze(-1).transpose(1, 2)
+
+
+def _local_ring(checked: Checked, lo: int, hi: int, batch: int, device) -> Ring:
+    """A one-rank ring over the whole sequence (global order) for heads [lo, hi)."""
+    spec = checked.spec
+    slopes = None if spec.alibi_slopes is None else spec.alibi_slopes[lo:hi]
+    local = AttnSpec(causal=spec.causal, window_size=spec.window_size,
+                     softmax_scale=spec.softmax_scale, seqlen=spec.seqlen, layout="contiguous",
+                     softcap=spec.softcap, alibi_slopes=slopes)
+    mask = head_offset(checked.mask, lo)
+    digest = fingerprint(mask, spec.seqlen, batch, hi - lo, device)
+    plan = make_plan(Contiguous(), mask, 1, 0, spec.seqlen, batch=batch, heads=hi - lo,
+                     device=device, tile=getattr(checked.kernel, "tile", (256, 128)),
+                     digest=digest)
+    return Ring(LocalComm(), local, plan, checked.kernel, 1, "all", Contiguous())
+
+
 def autocast_inputs(q, k, v):
     """q, k, v in the autocast dtype when autocast is on for their device (as SDPA does:
     attention is one of autocast's lower-precision ops), else as they are."""
@@ -523,16 +636,17 @@ def build_ring(q, k, v, *, group, causal, window_size, softmax_scale, layout, se
     error, fields = None, dict.fromkeys(_FIELD_NAMES + tuple(extra_fields), -1)
     try:
         extra = () if extra_check is None else tuple(extra_check())
-        spec, plan, kern, lay, checked = _check_local(
+        checked = _check_local(
             q, k, v, comm, causal, window_size, softmax_scale, layout, seqlen, mask,
             cu_seqlens, kernel, backward_overlap, return_lse, pg, softcap, sinks, alibi_slopes,
         )
-        checked.update(zip(extra_fields, extra, strict=True))
-        fields = checked
+        fields = dict(checked.fields)
+        fields.update(zip(extra_fields, extra, strict=True))
     except (TypeError, ValueError) as exc:  # reported on every rank by agree() below
         error = exc
     last = agree(pg, fields, error, _describe, reduce=("last_step",))["last_step"]
-    return Ring(comm, spec, plan, kern, last + 1, backward_overlap, lay)
+    return Ring(comm, checked.spec, checked.plan, checked.kernel, last + 1, backward_overlap,
+                checked.layout)
 
 
 # the custom ops build on the functions above (torch.compile's entry into the ring)

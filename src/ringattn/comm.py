@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["RingComm", "Hop", "agree", "group_by_name", "metadata_device", "resolve_group"]
+__all__ = ["RingComm", "LocalComm", "Hop", "agree", "group_by_name", "metadata_device",
+           "resolve_group"]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns);
 # older releases only have the old name.
@@ -99,6 +100,18 @@ class RingComm:
         """Post one hop now (to rank + shift, from rank - shift); ``wait()`` before reading
         ``recv``."""
         return Hop(self, send, recv, tag, shift).start()
+
+
+class LocalComm:
+    """A ring of one rank (strategies that attend locally after their own collectives):
+    it never hops."""
+
+    group = None
+    rank = 0
+    world = 1
+
+    def hop(self, *args, **kwargs):
+        raise RuntimeError("a one-rank ring never hops")
 
 
 def metadata_device(group: dist.ProcessGroup) -> torch.device:

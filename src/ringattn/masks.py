@@ -413,6 +413,26 @@ def key_padding(valid_len) -> Mask:
     return _KeyPadding(tuple(t.tolist()))
 
 
+class _HeadOffset(Mask):
+    def __init__(self, inner: Mask, offset: int):
+        self.inner, self.offset = inner, offset
+
+    def key(self):
+        return ("head_offset", self.inner.key(), self.offset)
+
+    def __call__(self, b, h, q, kv):
+        return self.inner(b, h + self.offset, q, kv)
+
+    def __repr__(self):
+        return f"{self.inner!r} from head {self.offset}"
+
+
+def head_offset(mask: Mask, offset: int) -> Mask:
+    """``mask`` seen by a rank holding heads ``offset``, ``offset + 1``, ...: its local head
+    h is global head h + offset (Ulysses). Band masks do not depend on heads."""
+    return mask if offset == 0 or mask.band is not None else _HeadOffset(mask, offset)
+
+
 class _KeyMask(Mask):
     def __init__(self, real_BS: torch.Tensor):
         self._real = real_BS

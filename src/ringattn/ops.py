@@ -89,11 +89,12 @@ def _ring_attention_backward_op(
     pg = args.pop("group")
     comm = RingComm(pg)
     # validated and agreed in forward: the cached plan, no second agreement
-    spec, plan, kern, lay, _ = _check_local(
+    checked = _check_local(
         q, k, v, comm, args["causal"], args["window_size"], args["softmax_scale"],
         args["layout"], args["seqlen"], args["mask"], args["cu_seqlens"], kernel,
         backward_overlap, return_lse, pg, softcap, _optional(sinks), _optional(alibi_slopes))
-    ring = Ring(comm, spec, plan, kern, int(steps), backward_overlap, lay)
+    ring = Ring(comm, checked.spec, checked.plan, checked.kernel, int(steps), backward_overlap,
+                checked.layout)
     with torch.autocast(q.device.type, enabled=False):
         dq, dk, dv, dsinks = attention_backward(
             ring, return_lse, q, k, v, out, lse, _optional(sinks), dout, _optional(dlse),

@@ -1,0 +1,90 @@
+"""Ulysses (``ra.ulysses_attention``): exact on every rank against the float64 oracle, with
+the cases of test_exact.py (causal, full, windows, documents, prefix-LM, dilated with head
+offsets, a head-dependent custom mask; MHA, GQA, MQA; W > Hkv and H = 4 not divisible by
+W = 3; S divisible by nothing) and of test_features.py (soft-capping, sinks, ALiBi, MLA);
+the collectives it makes; its head split."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringattn as ra
+from ringattn.testing import count_collectives
+from ringattn.ulysses import head_split
+from test_exact import LAYOUTS, cases, check, mask_cases, run_cases
+from test_features import cases as feature_cases
+from test_features import run_cases as run_feature_cases
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ulysses_fp32_exact(clusters, worst_errors, world, layout):
+    picked = cases(world) + mask_cases(world)
+    per_rank = clusters(world).run(run_cases, layout, picked, "float32", "ulysses_attention",
+                                   timeout=200)
+    check(per_rank, "float32", worst_errors)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world,layout", [(2, "zigzag"), (3, "striped")])
+def test_ulysses_bf16_within_twice_plain_sdpa(clusters, worst_errors, world, layout):
+    wanted = ("causal-gqa-odd-S-B2", "window-two-sided", "docs-causal", "dilated-head-offsets")
+    picked = [c for c in cases(world) + mask_cases(world) if c.name in wanted]
+    per_rank = clusters(world).run(run_cases, layout, picked, "bfloat16", "ulysses_attention",
+                                   timeout=200)
+    check(per_rank, "bfloat16", worst_errors)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world,layout", [(2, "zigzag"), (3, "contiguous"), (4, "striped")])
+def test_ulysses_features_exact(clusters, worst_errors, world, layout):
+    per_rank = clusters(world).run(run_feature_cases, layout, feature_cases(world), "float32",
+                                   "ulysses_attention", timeout=200)
+    check(per_rank, "float32", worst_errors)
+
+
+def test_head_split_covers_every_head_once_and_reads_the_right_kv_heads():
+    for h, hkv, w in [(8, 8, 4), (8, 2, 4), (8, 2, 3), (4, 1, 3), (4, 4, 6), (12, 4, 8), (6, 3, 4)]:
+        split = head_split(h, hkv, w)
+        assert sorted(x for qs in split.q_heads for x in qs) == list(range(h))
+        for qs, kvs in zip(split.q_heads, split.kv_heads):
+            if not qs:
+                assert not kvs
+                continue
+            per = len(qs) // len(kvs)
+            assert per * len(kvs) == len(qs)
+            # local query head j reads local kv head j // per: that must be its global one
+            assert [kvs[j // per] for j in range(len(qs))] == [x // (h // hkv) for x in qs]
+    assert head_split(8, 2, 4).kv_heads == ((0,), (0,), (1,), (1,))  # W > Hkv: each once
+    assert head_split(8, 8, 4).kv_heads == ((0, 1), (2, 3), (4, 5), (6, 7))
+
+
+def count_ulysses_collectives(return_lse):
+    """Rank side: collectives of one forward and one backward."""
+    g = torch.Generator().manual_seed(0)
+    s = 4 * dist.get_world_size() + 1
+    q, k, v = (torch.randn(1, s, hh, 8, generator=g) for hh in (4, 2, 2))
+    leaves = [ra.shard(t, seqlen=s).detach().requires_grad_() for t in (q, k, v)]
+    with count_collectives() as fwd:
+        res = ra.ulysses_attention(*leaves, causal=True, seqlen=s, return_lse=return_lse)
+    out = res[0] if return_lse else res
+    with count_collectives() as bwd:
+        out.square().sum().backward()
+    local_kv_bytes = leaves[1].numel() * leaves[1].element_size()
+    return fwd, bwd, local_kv_bytes
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_ulysses_collectives(clusters, return_lse):
+    """Forward: the agreement's all-gather, then one all-to-all each for q, k, v and out (and
+    lse); backward: their reverses, nothing else. With H=4, Hkv=2 on 2 ranks each rank
+    needs one kv head: K and V travel unexpanded (each all-to-all sends a local k's bytes)."""
+    n_out = 2 if return_lse else 1
+    for rank, (fwd, bwd, kv_bytes) in enumerate(
+            clusters(2).run(count_ulysses_collectives, return_lse, timeout=100)):
+        names = [n for n, _ in fwd]
+        assert names == ["all_gather_single"] + ["all_to_all_single"] * (3 + n_out), (rank, fwd)
+        assert fwd[2][1] == fwd[3][1] == kv_bytes, (rank, fwd, kv_bytes)
+        assert [n for n, _ in bwd] == ["all_to_all_single"] * (3 + n_out), (rank, bwd)
