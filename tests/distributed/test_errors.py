@@ -107,16 +107,21 @@ ROWS = [  # (id, edit(args, rank), exception, words)
 ]
 
 
-def raise_table():
-    """Rank side: apply each row's edit, call ring_attention, report what was raised."""
+def _rows(strategy):
+    """The rows that apply to a strategy (Ulysses has no backward_overlap argument)."""
+    return [r for r in ROWS if strategy == "ring_attention" or "backward-overlap" not in r[0]]
+
+
+def raise_table(strategy="ring_attention"):
+    """Rank side: apply each row's edit, call ``ra.<strategy>``, report what was raised."""
     rank = dist.get_rank()
     seen = {}
-    for name, edit, _, _ in ROWS:
+    for name, edit, _, _ in _rows(strategy):
         args = _good()
         edit(args, rank)
         q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
         try:
-            ra.ring_attention(q, k, v, **args)
+            getattr(ra, strategy)(q, k, v, **args)
             seen[name] = ("no error", "")
         except (TypeError, ValueError) as exc:
             seen[name] = (type(exc).__name__, str(exc))
@@ -129,11 +134,12 @@ def raise_table():
 
 
 @pytest.mark.timeout(120)
-def test_bad_input_raises_on_every_rank(clusters):
-    per_rank = clusters(WORLD).run(raise_table, timeout=90)
+@pytest.mark.parametrize("strategy", ["ring_attention", "ulysses_attention"])
+def test_bad_input_raises_on_every_rank(clusters, strategy):
+    per_rank = clusters(WORLD).run(raise_table, strategy, timeout=90)
     bad = []
     for rank, seen in enumerate(per_rank):
-        for name, _, exc, words in ROWS:
+        for name, _, exc, words in _rows(strategy):
             kind, msg = seen[name]
             if kind != exc.__name__ or words not in msg:
                 bad.append(f"rank {rank} {name}: got {kind}: {msg!r}; want {exc.__name__} with {words!r}")
