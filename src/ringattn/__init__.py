@@ -16,7 +16,7 @@ Example (every rank runs this; ``pg`` is a process group of W ranks)::
 """
 
 from . import eagle3, kernels, layouts, masks, plan
-from .api import ring_attention, ulysses_attention
+from .api import allgather_attention, ring_attention, ulysses_attention
 from .batch import RingContext, all_reduce_metrics, shard_batch
 from .merge import merge
 from .sharding import positions, shard, unshard
@@ -24,6 +24,7 @@ from .spec import AttnSpec
 
 __all__ = [
     "AttnSpec",
+    "allgather_attention",
     "RingContext",
     "all_reduce_metrics",
     "eagle3",

@@ -23,9 +23,11 @@ from .plan import Plan, make_plan
 from .ring import BACKWARD_OVERLAP, Ring, ring_backward, ring_forward
 from .sharding import SHARD_TAG
 from .spec import AttnSpec, accumulator_dtype
+from .allgather import GatherGroup, allgather_attention_apply, local_ring
+from .layouts import local_positions
 from .ulysses import Exchange, head_split, heads_to_seq, seq_to_heads
 
-__all__ = ["ring_attention", "ulysses_attention"]
+__all__ = ["allgather_attention", "ring_attention", "ulysses_attention"]
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _DEVICES = ("cpu", "cuda")
@@ -155,6 +157,8 @@ def _describe(name: str, value: int) -> str:
         return "none" if value == -2 else f"cu_seqlens with digest {value}"
     if name == "sinks":
         return "no sinks" if value == 0 else "sinks"
+    if name == "heads_k_stride":
+        return f"heads_k_stride={value}"
     if name == "grads":
         wants = [n for i, n in enumerate(("q", "k", "v", "sinks")) if value >> i & 1]
         return f"gradients for {wants or 'nothing'}"
@@ -577,6 +581,82 @@ def ulysses_attention(
     lse_f = torch.nn.functional.pad(lse_s, (0, pad), value=float("-inf"))
     out, lse_BLH1 = heads_to_seq(ex_q, h, out_f, lse_f.transpose(1, 2).unsqueeze(-1))
     return out, lse_BLH1.squeeze(-1).transpose(1, 2)
+
+
+def allgather_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group=None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softmax_scale: float | None = None,
+    layout: str = DEFAULT_LAYOUT,
+    seqlen: int | None = None,
+    mask: Mask | None = None,
+    cu_seqlens=None,
+    return_lse: bool = False,
+    kernel=None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes=None,
+    heads_k_stride: int | None = None,
+):
+    """``ring_attention``'s computation by all-gathering K/V (Llama 3's CP): the same
+    arguments, shards, semantics and guarantees.
+
+    Every rank gathers the K/V of the whole sequence, ``heads_k_stride`` kv heads at a time
+    (all at once by default), attends its own queries to them with the ring's plan (empty
+    tiles skipped), and sends dK/dV home by reduce-scatter; the backward gathers K/V again
+    instead of keeping them.
+
+    Memory contract: K/V of the WHOLE sequence for ``heads_k_stride`` kv heads (and their
+    dK/dV in the backward) at a time: S x heads_k_stride x (D + Dv), not O(S / W).
+
+    Arguments, Returns, Raises: as ``ring_attention``, and
+        heads_k_stride: kv heads gathered at a time (divides Hkv; None: all of them).
+    """
+    q, k, v = autocast_inputs(q, k, v)
+    pg = resolve_group(group)
+    comm = RingComm(pg)
+    error, fields = None, dict.fromkeys(_FIELD_NAMES + ("heads_k_stride",), -1)
+    try:
+        checked = _check_local(
+            q, k, v, comm, causal, window_size, softmax_scale, layout, seqlen, mask,
+            cu_seqlens, kernel, "all", return_lse, pg, softcap, sinks, alibi_slopes,
+            plan_ring=False)
+        hkv = k.shape[2]
+        stride = hkv if heads_k_stride is None else heads_k_stride
+        if not isinstance(stride, int) or isinstance(stride, bool) or stride < 1 or hkv % stride:
+            raise ValueError(f"heads_k_stride must divide the {hkv} kv heads, got {heads_k_stride!r}")
+        fields = dict(checked.fields, heads_k_stride=stride)
+    except (TypeError, ValueError) as exc:  # reported on every rank by agree() below
+        error = exc
+    agree(pg, fields, error, _describe)
+    spec, lay = checked.spec, checked.layout
+    b, n, h, _ = q.shape
+    world, rank, s = comm.world, comm.rank, spec.seqlen
+    per = h // hkv
+    q_pos = local_positions(lay, rank, world, s)
+    kv_pos = torch.cat([local_positions(lay, r, world, s) for r in range(world)])
+    groups = []
+    for a in range(0, hkv, stride):
+        qa, qb = a * per, (a + stride) * per
+        slopes = None if spec.alibi_slopes is None else spec.alibi_slopes[qa:qb]
+        spec_g = AttnSpec(causal=spec.causal, window_size=spec.window_size,
+                          softmax_scale=spec.softmax_scale, seqlen=s, layout=spec.layout,
+                          softcap=spec.softcap, alibi_slopes=slopes)
+        mask_g = head_offset(checked.mask, qa)
+        plan = make_plan(lay, mask_g, world, rank, s, batch=b, heads=qb - qa, device=q.device,
+                         tile=getattr(checked.kernel, "tile", (256, 128)),
+                         digest=fingerprint(mask_g, s, b, qb - qa, q.device))
+        ring = local_ring(spec_g, plan, checked.kernel, lay, world, rank, n, q_pos, kv_pos)
+        groups.append(GatherGroup(a, a + stride, qa, qb, ring))
+    q, k, v = unit_stride(q, k, v)
+    with _no_autocast(q.device.type):
+        out, lse = allgather_attention_apply(q, k, v, sinks, groups, pg, world, bool(return_lse))
+    return (out, lse) if return_lse else out
 
 
 def _local_ring(checked: Checked, lo: int, hi: int, batch: int, device) -> Ring:

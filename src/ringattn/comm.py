@@ -11,12 +11,25 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["RingComm", "LocalComm", "Hop", "agree", "group_by_name", "metadata_device",
-           "resolve_group"]
+__all__ = ["RingComm", "LocalComm", "Hop", "agree", "all_gather_single", "group_by_name",
+           "metadata_device", "reduce_scatter_single", "resolve_group"]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns);
 # older releases only have the old name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# likewise reduce_scatter_tensor -> reduce_scatter_single
+_reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
+                          or dist.reduce_scatter_tensor)
+
+
+def all_gather_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """``out`` = every rank's ``x``, concatenated on dim 0 in rank order."""
+    _all_gather_single(out, x, group=group)
+
+
+def reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """``out`` = this rank's chunk (dim 0, rank order) of the sum of every rank's ``x``."""
+    _reduce_scatter_single(out, x, group=group)
 
 
 def resolve_group(group) -> dist.ProcessGroup:

@@ -43,6 +43,9 @@ class Ring:
     backward_overlap: str = "all"
     layout: Layout | None = None
     """Where tokens live (needed only for position-dependent scores: ALiBi)."""
+    positions: tuple | None = None
+    """(query positions [L], key positions [columns]) of a one-step ring whose keys are not
+    one rank's shard (all-gathered keys); None: from ``layout``."""
 
     def blocks(self, step: int):
         return self.plan.steps[step]
@@ -54,8 +57,11 @@ class Ring:
         opts = {"softcap": self.spec.softcap} if self.spec.softcap else {}
         if self.spec.alibi_slopes is not None:
             w, s, me = self.comm.world, self.spec.seqlen, self.comm.rank
-            q_pos = _positions_on(self.layout, me, w, s, str(device))
-            kv_pos = _positions_on(self.layout, (me - step) % w, w, s, str(device))
+            if self.positions is not None:
+                q_pos, kv_pos = (p.to(device) for p in self.positions)
+            else:
+                q_pos = _positions_on(self.layout, me, w, s, str(device))
+                kv_pos = _positions_on(self.layout, (me - step) % w, w, s, str(device))
             slopes = _slopes_on(self.spec.alibi_slopes, str(device))
             opts["alibi"] = (slopes, q_pos[blk.q_start:blk.q_stop], kv_pos[blk.k_start:blk.k_stop])
         return opts

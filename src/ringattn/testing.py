@@ -155,7 +155,7 @@ class LocalCluster:
 
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
                 "all_gather_object", "all_to_all", "all_to_all_single", "broadcast",
-                "reduce_scatter", "reduce_scatter_tensor", "send", "recv",
+                "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "send", "recv",
                 "batch_isend_irecv", "barrier")
 # isend/irecv stay unwrapped: P2POp accepts only the original functions, and ringattn
 # posts its point-to-point ops through batch_isend_irecv, which is counted.
@@ -188,7 +188,7 @@ def count_collectives():
             if name == "batch_isend_irecv":
                 sent = sum(size(op.tensor) for op in args[0] if op.op.__name__ == "isend")
             elif name in ("all_gather_into_tensor", "all_gather_single", "all_to_all_single",
-                          "reduce_scatter_tensor"):
+                          "reduce_scatter_tensor", "reduce_scatter_single"):
                 sent = size(args[1] if len(args) > 1 else kwargs.get("input"))
             else:
                 sent = size(args[0]) if args else 0
@@ -197,14 +197,15 @@ def count_collectives():
         return counted
 
     saved = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
-    saved_comm = comm._all_gather_single
+    saved_comm = comm._all_gather_single, comm._reduce_scatter_single
     try:
         for name, fn in saved.items():
             setattr(dist, name, wrap(name, fn))
-        comm._all_gather_single = wrap("all_gather_single", saved_comm)
+        comm._all_gather_single = wrap("all_gather_single", saved_comm[0])
+        comm._reduce_scatter_single = wrap("reduce_scatter_single", saved_comm[1])
         yield calls
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
-        comm._all_gather_single = saved_comm
+        comm._all_gather_single, comm._reduce_scatter_single = saved_comm
 

@@ -134,7 +134,8 @@ def raise_table(strategy="ring_attention"):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("strategy", ["ring_attention", "ulysses_attention"])
+@pytest.mark.parametrize("strategy", ["ring_attention", "ulysses_attention",
+                                      "allgather_attention"])
 def test_bad_input_raises_on_every_rank(clusters, strategy):
     per_rank = clusters(WORLD).run(raise_table, strategy, timeout=90)
     bad = []

@@ -161,9 +161,9 @@ def _plain_fused_raw(q, k, v, do, ok, out=None, lse=None):
     return [t.transpose(1, 2) if t.dim() == 4 else t for t in (out, lse, dq, dk, dv)]
 
 
-def run_cases(layout, world_cases, dtype_name, strategy="ring_attention"):
-    """Rank side: run every case with ``ra.<strategy>``, return {case: {tensor: (err, tol,
-    max_abs)}}."""
+def run_cases(layout, world_cases, dtype_name, strategy="ring_attention", options=None):
+    """Rank side: run every case with ``ra.<strategy>`` (and keyword ``options``), return
+    {case: {tensor: (err, tol, max_abs)}}."""
     dtype = getattr(torch, dtype_name)
     rank = dist.get_rank()
     results = {}
@@ -181,7 +181,8 @@ def run_cases(layout, world_cases, dtype_name, strategy="ring_attention"):
         ql, kl, vl = (ra.shard(t, **kw) for t in (qx, kx, vx))
         if strategy == "ring_attention":  # rotate the backward's communication schedules
             attn_kw["backward_overlap"] = ("all", "kv", "none")[case.seed % 3]
-        out_l, lse_l = getattr(ra, strategy)(ql, kl, vl, return_lse=True, **attn_kw, **kw)
+        out_l, lse_l = getattr(ra, strategy)(ql, kl, vl, return_lse=True, **attn_kw, **kw,
+                                             **(options or {}))
         assert out_l.dtype == dtype and lse_l.dtype == torch.float32
         assert lse_l.shape == (case.batch, case.heads, ql.shape[1])
         loss = (ra.unshard(out_l, **kw) * do).sum()

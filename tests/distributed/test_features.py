@@ -111,7 +111,7 @@ def _grads(q, k, v, do, dlse, sinks, alibi, ok, case, dtype):
     return res + ([sk.grad] if sk is not None else [])
 
 
-def run_cases(layout, picked, dtype_name, strategy="ring_attention"):
+def run_cases(layout, picked, dtype_name, strategy="ring_attention", options=None):
     """Rank side: {case: {tensor: (err, tol, max_abs)}} for every case, with ``ra.<strategy>``."""
     dtype = getattr(torch, dtype_name)
     results = {}
@@ -131,7 +131,8 @@ def run_cases(layout, picked, dtype_name, strategy="ring_attention"):
         ql, kl, vl = (ra.shard(t, **kw) for t in leaves)
         out_l, lse_l = getattr(ra, strategy)(
             ql, kl, vl, causal=case.causal, window_size=case.window, softcap=case.softcap,
-            sinks=sk, alibi_slopes=alibi, mask=extra.get("mask"), return_lse=True, **kw)
+            sinks=sk, alibi_slopes=alibi, mask=extra.get("mask"), return_lse=True, **kw,
+            **(options or {}))
         assert out_l.dtype == dtype and out_l.shape[-1] == case.value_dim
         loss = (ra.unshard(out_l, **kw) * do).sum()
         if dlse is not None:

@@ -1,8 +1,10 @@
-"""Ulysses (``ra.ulysses_attention``): exact on every rank against the float64 oracle, with
-the cases of test_exact.py (causal, full, windows, documents, prefix-LM, dilated with head
-offsets, a head-dependent custom mask; MHA, GQA, MQA; W > Hkv and H = 4 not divisible by
-W = 3; S divisible by nothing) and of test_features.py (soft-capping, sinks, ALiBi, MLA);
-the collectives it makes; its head split."""
+"""The strategies beside the ring: Ulysses (``ra.ulysses_attention``) and all-gather KV
+(``ra.allgather_attention``, all kv heads at once and one at a time). Exact on every rank
+against the float64 oracle, with the cases of test_exact.py (causal, full, windows,
+documents, prefix-LM, dilated with head offsets, a head-dependent custom mask; MHA, GQA,
+MQA; W > Hkv and H = 4 not divisible by W = 3; H < W; S divisible by nothing) and of
+test_features.py (soft-capping, sinks, ALiBi, MLA); the collectives each makes; Ulysses'
+head split."""
 
 import pytest
 import torch
@@ -16,31 +18,41 @@ from test_features import cases as feature_cases
 from test_features import run_cases as run_feature_cases
 
 
+STRATEGIES = {  # name: (function, keyword options)
+    "ulysses": ("ulysses_attention", {}),
+    "allgather": ("allgather_attention", {}),
+    "allgather-stride1": ("allgather_attention", {"heads_k_stride": 1}),
+}
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_ulysses_fp32_exact(clusters, worst_errors, world, layout):
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_fp32_exact(clusters, worst_errors, strategy, world, layout):
     picked = cases(world) + mask_cases(world)
-    per_rank = clusters(world).run(run_cases, layout, picked, "float32", "ulysses_attention",
+    per_rank = clusters(world).run(run_cases, layout, picked, "float32", *STRATEGIES[strategy],
                                    timeout=200)
     check(per_rank, "float32", worst_errors)
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world,layout", [(2, "zigzag"), (3, "striped")])
-def test_ulysses_bf16_within_twice_plain_sdpa(clusters, worst_errors, world, layout):
+@pytest.mark.parametrize("strategy", ["ulysses", "allgather"])
+def test_bf16_within_twice_plain_sdpa(clusters, worst_errors, strategy, world, layout):
     wanted = ("causal-gqa-odd-S-B2", "window-two-sided", "docs-causal", "dilated-head-offsets")
     picked = [c for c in cases(world) + mask_cases(world) if c.name in wanted]
-    per_rank = clusters(world).run(run_cases, layout, picked, "bfloat16", "ulysses_attention",
+    per_rank = clusters(world).run(run_cases, layout, picked, "bfloat16", *STRATEGIES[strategy],
                                    timeout=200)
     check(per_rank, "bfloat16", worst_errors)
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world,layout", [(2, "zigzag"), (3, "contiguous"), (4, "striped")])
-def test_ulysses_features_exact(clusters, worst_errors, world, layout):
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_features_exact(clusters, worst_errors, strategy, world, layout):
     per_rank = clusters(world).run(run_feature_cases, layout, feature_cases(world), "float32",
-                                   "ulysses_attention", timeout=200)
+                                   *STRATEGIES[strategy], timeout=200)
     check(per_rank, "float32", worst_errors)
 
 
@@ -88,3 +100,31 @@ def test_ulysses_collectives(clusters, return_lse):
         assert names == ["all_gather_single"] + ["all_to_all_single"] * (3 + n_out), (rank, fwd)
         assert fwd[2][1] == fwd[3][1] == kv_bytes, (rank, fwd, kv_bytes)
         assert [n for n, _ in bwd] == ["all_to_all_single"] * (3 + n_out), (rank, bwd)
+
+
+def count_allgather_collectives(stride):
+    """Rank side: collectives of one all-gather forward and backward."""
+    g = torch.Generator().manual_seed(0)
+    s = 4 * dist.get_world_size() + 1
+    q, k, v = (torch.randn(1, s, hh, 8, generator=g) for hh in (4, 2, 2))
+    leaves = [ra.shard(t, seqlen=s).detach().requires_grad_() for t in (q, k, v)]
+    with count_collectives() as fwd:
+        out = ra.allgather_attention(*leaves, causal=True, seqlen=s, heads_k_stride=stride)
+    with count_collectives() as bwd:
+        out.square().sum().backward()
+    return fwd, bwd, leaves[1].numel() * leaves[1].element_size()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stride", [None, 1])
+def test_allgather_collectives(clusters, stride):
+    """Forward: the agreement, then one all-gather of K and V (unexpanded: a local k's and
+    v's bytes) per group of kv heads; backward: per group, the same all-gather again and one
+    reduce-scatter of dK and dV, nothing else."""
+    groups = 2 if stride == 1 else 1
+    for rank, (fwd, bwd, kv_bytes) in enumerate(
+            clusters(2).run(count_allgather_collectives, stride, timeout=100)):
+        assert [n for n, _ in fwd] == ["all_gather_single"] * (1 + groups), (rank, fwd)
+        assert sum(b for _, b in fwd[1:]) == 2 * kv_bytes, (rank, fwd, kv_bytes)
+        assert [n for n, _ in bwd] == ["all_gather_single", "reduce_scatter_single"] * groups, (
+            rank, bwd)
