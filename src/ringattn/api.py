@@ -542,6 +542,7 @@ def ulysses_attention(
     overlapped). sinks' gradient on each rank covers its own heads; sum it over the group.
     """
     q, k, v = autocast_inputs(q, k, v)
+    _not_compiling("ulysses_attention")
     pg = resolve_group(group)
     comm = RingComm(pg)
     error, fields = None, dict.fromkeys(_FIELD_NAMES + ("grads",), -1)
@@ -618,6 +619,7 @@ def allgather_attention(
         heads_k_stride: kv heads gathered at a time (divides Hkv; None: all of them).
     """
     q, k, v = autocast_inputs(q, k, v)
+    _not_compiling("allgather_attention")
     pg = resolve_group(group)
     comm = RingComm(pg)
     error, fields = None, dict.fromkeys(_FIELD_NAMES + ("heads_k_stride",), -1)
@@ -657,6 +659,14 @@ def allgather_attention(
     with _no_autocast(q.device.type):
         out, lse = allgather_attention_apply(q, k, v, sinks, groups, pg, world, bool(return_lse))
     return (out, lse) if return_lse else out
+
+
+def _not_compiling(name: str) -> None:
+    """Only ring_attention has custom ops for torch.compile so far: refuse the others there
+    (tracing their collectives would break the graph or fail)."""
+    if torch.compiler.is_compiling():
+        raise ValueError(f"{name} cannot run under torch.compile yet; use ring_attention "
+                         f"(strategy='ring'), which compiles as custom ops")
 
 
 def _local_ring(checked: Checked, lo: int, hi: int, batch: int, device) -> Ring:
@@ -731,3 +741,20 @@ def build_ring(q, k, v, *, group, causal, window_size, softmax_scale, layout, se
 
 # the custom ops build on the functions above (torch.compile's entry into the ring)
 from .ops import compiled_ring_attention  # noqa: E402
+
+
+STRATEGIES = {"ring": ring_attention, "ulysses": ulysses_attention,
+              "allgather": allgather_attention}
+"""Strategy name -> its attention function (the same arguments; ``backward_overlap`` is the
+ring's own, ``heads_k_stride`` all-gather's)."""
+
+
+def check_strategy(strategy) -> str:
+    """``strategy`` if it names one of ``STRATEGIES``.
+
+    Raises:
+        ValueError: any other value, with the valid names.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
+    return strategy

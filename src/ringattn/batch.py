@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .api import check_strategy
 from .comm import metadata_device, resolve_group
 from .layouts import DEFAULT_LAYOUT
 from .masks import Mask, check_cu_seqlens, key_mask, key_padding, mask_key
@@ -44,6 +45,8 @@ class RingContext:
     left_padding: tuple[int, ...] | None = None
     """Padding tokens before the first real one, per batch row (None: no left padding);
     masks that count from a row's first token (Llama 4's chunks) need it."""
+    strategy: str = "ring"
+    """Which attention strategy the layers run (``ringattn.api.STRATEGIES``)."""
     mask_key: int = -1
     """``masks.mask_key(mask)``, set on creation: compiled code passes masks by key."""
     calls: int = 0
@@ -92,7 +95,7 @@ def _documents(batch, seqlen):
 
 
 def shard_batch(batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, extra_keys=(),
-                ignore_index: int = -100) -> dict:
+                ignore_index: int = -100, strategy: str = "ring") -> dict:
     """This rank's shard of a causal-LM batch, ready for ``model(**local)``.
 
     Arguments:
@@ -107,6 +110,9 @@ def shard_batch(batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, extra_
         layout: "zigzag" (per document when the batch is packed), "contiguous", "striped".
         extra_keys: more per-token tensors to shard, returned under their own names.
         ignore_index: the label of tokens that have no target.
+        strategy: "ring", "ulysses" or "allgather": how the model's attention layers attend
+            over the shards (``ringattn.ring_attention`` / ``ulysses_attention`` /
+            ``allgather_attention``; the shards are the same for all three).
 
     Returns:
         A dict: ``input_ids`` [B, L]; ``position_ids`` [B, L] (global positions, or
@@ -129,6 +135,7 @@ def shard_batch(batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, extra_
             that differ between ranks are caught by ``shard``'s agreement check).
     """
     pg = resolve_group(group)
+    check_strategy(strategy)
     ids = batch.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise ValueError("batch['input_ids'] must be a [B, S] tensor")
@@ -175,7 +182,7 @@ def shard_batch(batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, extra_
             mask = key_padding(lengths)  # right padding: equal lengths reuse one plan
         else:
             mask = key_mask(real_keys)  # value-keyed too: equal padding reuses one plan
-    local["ring_context"] = RingContext(pg, layout, s, cu, mask, left)
+    local["ring_context"] = RingContext(pg, layout, s, cu, mask, left, strategy)
     return local
 
 

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from .batch import all_reduce_metrics, shard_batch
 from .comm import resolve_group
 from .integrations import transformers as ra_hf
+from .api import STRATEGIES, check_strategy
 from .layouts import LAYOUTS
 from .sharding import positions
 
@@ -82,6 +83,8 @@ class TrainConfig:
     """Sequences per step B (every rank holds all B rows, each cut to its shard)."""
 
     layout: str = "zigzag"
+    strategy: str = "ring"
+    """How attention runs over the shards: "ring", "ulysses" or "allgather"."""
     """Token placement on the ranks: "contiguous", "zigzag" or "striped"."""
 
     data: str | None = None
@@ -133,6 +136,7 @@ class TrainConfig:
             raise ValueError(f"seqlen must be an int >= 4, got {self.seqlen!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; choose one of {sorted(LAYOUTS)}")
+        check_strategy(self.strategy)
         if self.copy_vocab < 2:
             raise ValueError(f"copy_vocab must be >= 2, got {self.copy_vocab!r}")
         if self.heads % self.kv_heads:
@@ -329,7 +333,7 @@ def train(cfg: TrainConfig, *, group=None, attn_implementation: str | None = Non
         t0 = time.perf_counter()
         batch = {"input_ids": ids_BS, "labels": ids_BS}
         if cp:  # shard_batch shifts the labels on the global sequence and counts them globally
-            local = shard_batch(batch, group=pg, layout=cfg.layout)
+            local = shard_batch(batch, group=pg, layout=cfg.layout, strategy=cfg.strategy)
             targets_BL = local["shift_labels"]
         else:
             local = batch
@@ -542,6 +546,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             default=getattr(d, name), help=f"(default {getattr(d, name)})")
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default=d.layout,
                         help=f"token placement on the ranks (default {d.layout})")
+    parser.add_argument("--strategy", choices=sorted(STRATEGIES), default=d.strategy,
+                        help=f"how attention runs over the shards (default {d.strategy})")
     parser.add_argument("--out", default="train_out",
                         help="output directory for train.json and loss.png (default train_out/)")
     parser.add_argument("--no-progress", dest="progress", action="store_false",
@@ -561,7 +567,7 @@ def run_from_args(args: argparse.Namespace) -> dict:
     Raises:
         ValueError: a bad option, naming it.
     """
-    fields = ("steps", "seqlen", "batch", "layout", "data", "copy_vocab", "hidden",
+    fields = ("steps", "seqlen", "batch", "layout", "strategy", "data", "copy_vocab", "hidden",
               "intermediate", "heads", "kv_heads", "layers", "lr", "init_std", "seed",
               "log_every")
     cfg = TrainConfig(**{k: getattr(args, k) for k in fields})

@@ -25,18 +25,21 @@ ARGS = ["--steps", "3", "--seqlen", "37", "--batch", "2", "--no-progress"]
 
 
 @pytest.mark.timeout(180)
-def test_torchrun_on_text_equals_one_process(tmp_path):
+@pytest.mark.parametrize("strategy", ["ring", "ulysses"])
+def test_torchrun_on_text_equals_one_process(tmp_path, strategy):
     data = tmp_path / "text.txt"
     data.write_bytes(TEXT)
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "ringattn.train", "--data", str(data), "--out", str(out), *ARGS]
+           "-m", "ringattn.train", "--data", str(data), "--out", str(out), *ARGS,
+           "--strategy", strategy]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     got = json.loads((out / "train.json").read_text())
     assert got["world"] == 2 and got["attn"] == "ringattn" and got["config"]["data"] == str(data)
+    assert got["config"]["strategy"] == strategy
     assert len(got["peak_rss_mib"]) == 2 and (out / "loss.png").stat().st_size > 10_000
     cfg = TrainConfig(steps=3, seqlen=37, batch=2, data=str(data))
     want = train(cfg, attn_implementation="eager", progress=False)["loss"]

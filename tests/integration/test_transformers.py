@@ -47,7 +47,7 @@ def _batch(kind, seqlen):
     return batch
 
 
-def cp_against_one_process(family, kind, layout, seqlen):
+def cp_against_one_process(family, kind, layout, seqlen, strategy="ring"):
     from ringattn.integrations import transformers as ra_hf
 
     ra_hf.register()
@@ -56,7 +56,7 @@ def cp_against_one_process(family, kind, layout, seqlen):
     ref = ref_model(**batch, use_cache=False)
     ref.loss.backward()
     model = _model(family, "ringattn")
-    local = ra.shard_batch(batch, layout=layout)
+    local = ra.shard_batch(batch, layout=layout, strategy=strategy)
     out = model(**local, use_cache=False)
     out.loss.backward()
     loss = out.loss.detach().clone()
@@ -75,24 +75,30 @@ def cp_against_one_process(family, kind, layout, seqlen):
     return errs
 
 
-CASES = [  # (family, batch kind, layout, world)
-    ("llama", "plain", "zigzag", 2),
-    ("llama", "plain", "striped", 3),
-    ("llama", "left-padding", "zigzag", 3),
-    ("llama", "right-padding", "striped", 2),
-    ("llama", "packed", "zigzag", 2),
-    ("llama", "packed", "contiguous", 3),
-    ("qwen2-sliding", "plain", "zigzag", 2),
-    ("qwen2-sliding", "left-padding", "contiguous", 3),
+CASES = [  # (family, batch kind, layout, world, strategy)
+    ("llama", "plain", "zigzag", 2, "ring"),
+    ("llama", "plain", "striped", 3, "ring"),
+    ("llama", "left-padding", "zigzag", 3, "ring"),
+    ("llama", "right-padding", "striped", 2, "ring"),
+    ("llama", "packed", "zigzag", 2, "ring"),
+    ("llama", "packed", "contiguous", 3, "ring"),
+    ("qwen2-sliding", "plain", "zigzag", 2, "ring"),
+    ("qwen2-sliding", "left-padding", "contiguous", 3, "ring"),
+    # the other strategies (W=3: 4 heads and 2 kv heads split unevenly)
+    ("llama", "left-padding", "zigzag", 3, "ulysses"),
+    ("llama", "packed", "zigzag", 2, "ulysses"),
+    ("qwen2-sliding", "right-padding", "striped", 3, "ulysses"),
+    ("llama", "left-padding", "zigzag", 3, "allgather"),
+    ("qwen2-sliding", "packed", "zigzag", 2, "allgather"),
 ]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("family,kind,layout,world", CASES)
-def test_model_equals_one_process(clusters, worst_errors, family, kind, layout, world):
+@pytest.mark.parametrize("family,kind,layout,world,strategy", CASES)
+def test_model_equals_one_process(clusters, worst_errors, family, kind, layout, world, strategy):
     seqlen = 37  # divides neither 2, 3, 4 nor 6
     for rank, errs in enumerate(clusters(world).run(cp_against_one_process, family, kind, layout,
-                                                     seqlen, timeout=200)):
+                                                     seqlen, strategy, timeout=200)):
         for name, err in errs.items():
             key = ("HF model", name)  # printed in make test's summary of worst errors
             worst_errors[key] = (max(worst_errors.get(key, (0.0, TOL))[0], err), TOL)
