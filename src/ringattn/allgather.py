@@ -130,5 +130,6 @@ def allgather_attention_apply(q, k, v, sinks, groups, pg, world, lse_grad):
 
 def local_ring(spec, plan, kernel, layout, world, rank, local_len, q_pos, kv_pos) -> Ring:
     """The one-rank ring over the gathered keys for one head group."""
+    positions = None if q_pos is None else (q_pos, kv_pos)
     return Ring(LocalComm(), spec, merged_plan(plan, world, rank, local_len), kernel, 1, "all",
-                layout, (q_pos, kv_pos))
+                layout, positions)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -543,20 +543,16 @@ def ulysses_attention(
     """
     q, k, v = autocast_inputs(q, k, v)
     _not_compiling("ulysses_attention")
-    pg = resolve_group(group)
-    comm = RingComm(pg)
-    error, fields = None, dict.fromkeys(_FIELD_NAMES + ("grads",), -1)
-    try:
-        checked = _check_local(
-            q, k, v, comm, causal, window_size, softmax_scale, layout, seqlen, mask,
-            cu_seqlens, kernel, "all", return_lse, pg, softcap, sinks, alibi_slopes,
-            plan_ring=False)
-        # which inputs need a gradient decides which reverse all-to-alls run: agree on it
+
+    def grads():  # which inputs need a gradient decides which reverse all-to-alls run
         wants = [t is not None and t.requires_grad for t in (q, k, v, sinks)]
-        fields = dict(checked.fields, grads=sum(int(w) << i for i, w in enumerate(wants)))
-    except (TypeError, ValueError) as exc:  # reported on every rank by agree() below
-        error = exc
-    agree(pg, fields, error, _describe)
+        return {"grads": sum(int(w) << i for i, w in enumerate(wants))}
+
+    pg, comm, checked = _agreed_unplanned(
+        q, k, v, group, ("grads",), grads, causal=causal, window_size=window_size,
+        softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask,
+        cu_seqlens=cu_seqlens, kernel=kernel, return_lse=return_lse, softcap=softcap,
+        sinks=sinks, alibi_slopes=alibi_slopes)
     spec = checked.spec
     b, _, h, d = q.shape
     world, rank, s = comm.world, comm.rank, spec.seqlen
@@ -620,28 +616,28 @@ def allgather_attention(
     """
     q, k, v = autocast_inputs(q, k, v)
     _not_compiling("allgather_attention")
-    pg = resolve_group(group)
-    comm = RingComm(pg)
-    error, fields = None, dict.fromkeys(_FIELD_NAMES + ("heads_k_stride",), -1)
-    try:
-        checked = _check_local(
-            q, k, v, comm, causal, window_size, softmax_scale, layout, seqlen, mask,
-            cu_seqlens, kernel, "all", return_lse, pg, softcap, sinks, alibi_slopes,
-            plan_ring=False)
-        hkv = k.shape[2]
-        stride = hkv if heads_k_stride is None else heads_k_stride
-        if not isinstance(stride, int) or isinstance(stride, bool) or stride < 1 or hkv % stride:
-            raise ValueError(f"heads_k_stride must divide the {hkv} kv heads, got {heads_k_stride!r}")
-        fields = dict(checked.fields, heads_k_stride=stride)
-    except (TypeError, ValueError) as exc:  # reported on every rank by agree() below
-        error = exc
-    agree(pg, fields, error, _describe)
+
+    def stride_field():
+        n = k.shape[2] if heads_k_stride is None else heads_k_stride
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1 or k.shape[2] % n:
+            raise ValueError(f"heads_k_stride must divide the {k.shape[2]} kv heads, got "
+                             f"{heads_k_stride!r}")
+        return {"heads_k_stride": n}
+
+    pg, comm, checked = _agreed_unplanned(
+        q, k, v, group, ("heads_k_stride",), stride_field, causal=causal, window_size=window_size,
+        softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask,
+        cu_seqlens=cu_seqlens, kernel=kernel, return_lse=return_lse, softcap=softcap,
+        sinks=sinks, alibi_slopes=alibi_slopes)
     spec, lay = checked.spec, checked.layout
+    hkv, stride = k.shape[2], checked.fields["heads_k_stride"]
     b, n, h, _ = q.shape
     world, rank, s = comm.world, comm.rank, spec.seqlen
     per = h // hkv
-    q_pos = local_positions(lay, rank, world, s)
-    kv_pos = torch.cat([local_positions(lay, r, world, s) for r in range(world)])
+    q_pos = kv_pos = None  # global positions, for ALiBi only
+    if spec.alibi_slopes is not None:
+        q_pos = local_positions(lay, rank, world, s)
+        kv_pos = torch.cat([local_positions(lay, r, world, s) for r in range(world)])
     groups = []
     for a in range(0, hkv, stride):
         qa, qb = a * per, (a + stride) * per
@@ -659,6 +655,32 @@ def allgather_attention(
     with _no_autocast(q.device.type):
         out, lse = allgather_attention_apply(q, k, v, sinks, groups, pg, world, bool(return_lse))
     return (out, lse) if return_lse else out
+
+
+def _agreed_unplanned(q, k, v, group, extra_names, extra, **args):
+    """Validate this rank's call, add the fields ``extra()`` returns (named ``extra_names``;
+    it may raise), and agree with every rank: (group, comm, Checked without a ring plan).
+
+    Raises:
+        TypeError, ValueError: the same error on every rank, before any other collective.
+    """
+    pg = resolve_group(group)
+    comm = RingComm(pg)
+    error, fields = None, dict.fromkeys(_FIELD_NAMES + tuple(extra_names), -1)
+    checked = None
+    try:
+        checked = _check_local(
+            q, k, v, comm, args["causal"], args["window_size"], args["softmax_scale"],
+            args["layout"], args["seqlen"], args["mask"], args["cu_seqlens"], args["kernel"],
+            "all", args["return_lse"], pg, args["softcap"], args["sinks"],
+            args["alibi_slopes"], plan_ring=False)
+        fields = dict(checked.fields, **extra())
+        checked = replace(checked, fields=fields)
+    except (TypeError, ValueError) as exc:  # reported on every rank by agree() below
+        error = exc
+        fields = dict.fromkeys(_FIELD_NAMES + tuple(extra_names), -1)
+    agree(pg, fields, error, _describe)
+    return pg, comm, checked
 
 
 def _not_compiling(name: str) -> None:
