@@ -128,3 +128,39 @@ def test_allgather_collectives(clusters, stride):
         assert sum(b for _, b in fwd[1:]) == 2 * kv_bytes, (rank, fwd, kv_bytes)
         assert [n for n, _ in bwd] == ["all_gather_single", "reduce_scatter_single"] * groups, (
             rank, bwd)
+
+
+def largest_tensor(strategy, seqlen, stride):
+    """Rank side: the largest tensor (elements) any op creates in one fwd+bwd, and the
+    sizes the contracts allow: a local q of all heads (Ulysses: the whole sequence for
+    H / W heads), and S_pad x stride kv heads x (D + Dv) (all-gather's K/V in flight)."""
+    from test_ring_properties import Peak
+
+    w = dist.get_world_size()
+    b, h, hkv, d = 1, 8, 4, 32
+    n = seqlen // w
+    q = torch.randn(b, n, h, d, requires_grad=True)
+    k = torch.randn(b, n, hkv, d, requires_grad=True)
+    v = torch.randn(b, n, hkv, d, requires_grad=True)
+    opts = {"heads_k_stride": stride} if strategy == "allgather_attention" else {}
+    with Peak() as peak:
+        out = getattr(ra, strategy)(q, k, v, causal=True, seqlen=seqlen, **opts)
+        out.backward(torch.ones_like(out))
+    return peak.largest, b * n * h * d, b * seqlen * (stride or hkv) * 2 * d
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy,stride", [("ulysses_attention", None),
+                                             ("allgather_attention", None),
+                                             ("allgather_attention", 1)])
+def test_memory_contracts(clusters, strategy, stride):
+    """Ulysses: no tensor larger than a local q of all heads (its whole-sequence q, k, v, out
+    hold H / W heads). All-gather: none larger than the full-S K/V of the kv heads in flight
+    (heads_k_stride of them), which is below the global q for stride 1."""
+    seqlen = 2048
+    for rank, (largest, local_q, kv_in_flight) in enumerate(
+            clusters(4).run(largest_tensor, strategy, seqlen, stride, timeout=100)):
+        if strategy == "ulysses_attention":
+            assert largest <= local_q, (rank, largest, local_q)
+        else:
+            assert largest <= kv_in_flight, (rank, largest, kv_in_flight)
