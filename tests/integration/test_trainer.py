@@ -34,7 +34,7 @@ def _launch(cmd, cwd):
     return None if proc.returncode == 0 else (proc.stdout[-3000:] + proc.stderr[-6000:])
 
 
-CP_SCENARIOS = "accumulate,resume,bf16,parallelism"
+CP_SCENARIOS = "accumulate,resume,bf16,parallelism,ulysses"
 
 
 @pytest.fixture(scope="module")
@@ -192,3 +192,13 @@ def test_dp_x_cp_steps_like_one_process_with_the_global_batch(runs, worst_errors
     for rank, res in enumerate(per_rank):
         for key in ("loss", "grad_norm", "eval_loss"):
             _assert_close(worst_errors, f"dp x cp {key}", res[key], ref[key], rank)
+
+
+@pytest.mark.timeout(600)
+def test_ulysses_strategy_steps_like_one_process(runs, worst_errors):
+    """RingTrainer(strategy="ulysses") on 2 ranks logs the one-process losses, gradient
+    norms and eval loss."""
+    ref, per_rank = _results(runs, "ulysses")
+    for rank, res in enumerate(per_rank):
+        for key in ("loss", "grad_norm", "eval_loss"):
+            _assert_close(worst_errors, f"ulysses {key}", res[key], ref[key], rank)

@@ -23,6 +23,7 @@ Scenarios (``--scenarios``, comma separated):
 * ``dp_cp``: ``RingTrainer(cp_size=2)`` on 4 ranks (dp 2 x cp 2, 2 rows per replica)
   against one process with batches of 4 rows: three steps (into the second epoch) with
   no accumulation, then ``evaluate``.
+* ``ulysses``: ``RingTrainer(strategy="ulysses")``: three steps, then ``evaluate``.
 """
 
 import argparse
@@ -74,7 +75,7 @@ def logged(trainer, key, after=0):
     return [h[key] for h in trainer.state.log_history if key in h and h["step"] > after]
 
 
-def make_trainer(ref, out, attn="eager", cp_size=None, **overrides):
+def make_trainer(ref, out, attn="eager", cp_size=None, strategy="ring", **overrides):
     from transformers import Trainer, TrainingArguments
 
     from ringattn.integrations.hf_trainer import RingTrainer
@@ -90,7 +91,7 @@ def make_trainer(ref, out, attn="eager", cp_size=None, **overrides):
     if ref:  # a plain Trainer in one process: its own data order, loss and logging
         return Trainer(model=tiny_causal_lm("llama", attn), args=targs, **data)
     return RingTrainer(model=tiny_causal_lm("llama", "ringattn"), args=targs, layout="zigzag",
-                       cp_size=cp_size, **data)
+                       cp_size=cp_size, strategy=strategy, **data)
 
 
 def accumulate(ref, out):
@@ -168,8 +169,17 @@ def dp_cp(ref, out):
     return res
 
 
+def ulysses(ref, out):
+    """RingTrainer(strategy="ulysses"): three steps and an evaluation."""
+    trainer = make_trainer(ref, out / "ulysses", max_steps=3, strategy="ulysses")
+    trainer.train()
+    res = {"loss": logged(trainer, "loss"), "grad_norm": logged(trainer, "grad_norm")}
+    res["eval_loss"] = trainer.evaluate()["eval_loss"]
+    return res
+
+
 SCENARIOS = {"accumulate": accumulate, "resume": resume, "bf16": bf16,
-             "parallelism": parallelism, "dp_cp": dp_cp}
+             "parallelism": parallelism, "dp_cp": dp_cp, "ulysses": ulysses}
 
 
 def main():

@@ -79,6 +79,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from transformers import Trainer
 
+from ..api import check_strategy
 from ..batch import shard_batch
 from ..layouts import DEFAULT_LAYOUT
 from ..sharding import unshard
@@ -98,6 +99,7 @@ class RingTrainer(Trainer):
 
     Arguments (besides Trainer's):
         layout: "zigzag" (per document for packed batches), "contiguous" or "striped".
+        strategy: "ring", "ulysses" or "allgather" (docs/strategies.md).
         cp_size: ranks per context-parallel group; None: the whole world. With W ranks and
             ``cp_size`` c, the ranks form a (W / c) x c mesh ("dp", "cp"): each dp replica
             reads its own rows of every global batch of ``per_device_train_batch_size x
@@ -119,7 +121,7 @@ class RingTrainer(Trainer):
     loss_is_scaled_for_ga = True
 
     def __init__(self, *args, layout: str = DEFAULT_LAYOUT, cp_size: int | None = None,
-                 **kwargs):
+                 strategy: str = "ring", **kwargs):
         super().__init__(*args, **kwargs)
         if not dist.is_initialized():
             raise ValueError("RingTrainer needs torch.distributed initialised: launch it with "
@@ -141,14 +143,15 @@ class RingTrainer(Trainer):
                 f"{pc.dp_shard_size}, cp={pc.cp_size}, tp={pc.tp_size}, sp={pc.sp_size}) is not "
                 f"supported (see ringattn.integrations.hf_trainer's docstring)")
         check_model(self.model)
-        self.layout = layout
+        self.layout, self.strategy = layout, check_strategy(strategy)
         self.cp_group, self.dp_group, self.dp_rank, self.dp_size = _mesh(cp_size, self.args.device)
 
     def _shard(self, inputs: dict) -> dict:
         """This rank's shard of a batch dict (``shard_batch`` over the whole world;
         non-tensor entries dropped)."""
         batch = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-        return shard_batch(batch, group=self.cp_group, layout=self.layout)
+        return shard_batch(batch, group=self.cp_group, layout=self.layout,
+                           strategy=self.strategy)
 
     # ---- data: the same batches on every rank ---------------------------------------
 
