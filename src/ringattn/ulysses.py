@@ -64,15 +64,12 @@ def head_split(heads: int, kv_heads: int, world: int) -> HeadSplit:
     return HeadSplit(tuple(q), tuple(kv))
 
 
-def _all_to_all(send_list, recv_shapes, group, like):
-    """One all-to-all of variable-size chunks along dim 0: ``send_list[r]`` goes to rank
-    r; returns the chunks received from every rank (shapes ``recv_shapes``)."""
-    send = torch.cat([t.reshape(-1) for t in send_list]) if send_list else like.new_empty(0)
-    in_splits = [t.numel() for t in send_list]
-    out_splits = [int(torch.Size(sh).numel()) for sh in recv_shapes]
-    recv = like.new_empty(sum(out_splits))
-    dist.all_to_all_single(recv, send.contiguous(), out_splits, in_splits, group=group)
-    return [c.view(sh) for c, sh in zip(recv.split(out_splits), recv_shapes)]
+def _all_to_all(send, in_splits, out_splits, group):
+    """One all-to-all of a contiguous buffer: its first ``in_splits[r]`` elements after the
+    earlier ones go to rank r; returns the received buffer (``out_splits[r]`` from rank r)."""
+    recv = send.new_empty(sum(out_splits))
+    dist.all_to_all_single(recv, send.reshape(-1), out_splits, in_splits, group=group)
+    return recv
 
 
 @dataclass(frozen=True)
@@ -93,20 +90,26 @@ class Exchange:
 
 @lru_cache(maxsize=64)
 def _restore_on(layout: Layout, world: int, seqlen: int, device: str):
-    idx = restore_index(layout, world, seqlen).to(device)
-    return idx, torch.argsort(idx)
+    """(source rank, slot) of every global position, and the global position of every
+    rank-major slot, on ``device``."""
+    to_global = restore_index(layout, world, seqlen)
+    n = to_global.numel() // world
+    return tuple(t.to(device) for t in (to_global // n, to_global % n, torch.argsort(to_global)))
 
 
 def _scatter(x_BLHE, ex: Exchange):
-    """[B, L, heads, E] sequence shard -> [B, S_pad, len(send_heads[me]), E] in global order."""
+    """[B, L, heads, E] sequence shard -> [B, S_pad, len(send_heads[me]), E] in global order
+    (a view of the received buffer, reordered by one copy)."""
     b, n, _, e = x_BLHE.shape
     me = len(ex.send_heads[ex.rank])
-    send = [x_BLHE[:, :, list(hs)].permute(2, 0, 1, 3) for hs in ex.send_heads]
-    chunks = _all_to_all(send, [(me, b, n, e)] * ex.world, ex.group, x_BLHE)
-    # rank-major slot order [B, W*L, me, E], then global order
-    full = torch.stack(chunks).permute(2, 0, 3, 1, 4).reshape(b, ex.world * n, me, e)
-    to_global, _ = ex.restore(x_BLHE.device)
-    return full.index_select(1, to_global)
+    heads = [h for hs in ex.send_heads for h in hs]
+    send = x_BLHE.permute(2, 0, 1, 3)[heads]  # [sum of send heads, B, L, E]: one copy
+    chunk = b * n * e
+    recv = _all_to_all(send, [len(hs) * chunk for hs in ex.send_heads],
+                       [me * chunk] * ex.world, ex.group)
+    src, slot, _ = ex.restore(x_BLHE.device)
+    # [W, me, B, L, E] -> global order [S_pad, me, B, E] (one copy) -> [B, S_pad, me, E]
+    return recv.view(ex.world, me, b, n, e)[src, :, :, slot].permute(2, 0, 1, 3)
 
 
 def _gather(y_BSHE, ex: Exchange, heads: int):
@@ -115,14 +118,18 @@ def _gather(y_BSHE, ex: Exchange, heads: int):
     both gradients)."""
     b, s_pad, me, e = y_BSHE.shape
     n = s_pad // ex.world
-    _, to_slots = ex.restore(y_BSHE.device)
-    slots = y_BSHE.index_select(1, to_slots).reshape(b, ex.world, n, me, e)
-    send = [slots[:, r].permute(2, 0, 1, 3) for r in range(ex.world)]
-    chunks = _all_to_all(send, [(len(hs), b, n, e) for hs in ex.send_heads], ex.group, y_BSHE)
+    _, _, to_slots = ex.restore(y_BSHE.device)
+    send = y_BSHE.permute(1, 2, 0, 3)[to_slots]  # rank-major [W*L, me, B, E]: one copy
+    chunk = n * b * e
+    recv = _all_to_all(send, [me * chunk] * ex.world,
+                       [len(hs) * chunk for hs in ex.send_heads], ex.group)
     out = y_BSHE.new_zeros(b, n, heads, e)
-    for hs, c in zip(ex.send_heads, chunks):
+    start = 0
+    for hs in ex.send_heads:  # from rank r: [L, its heads, B, E]
         if hs:
-            out.index_add_(2, torch.tensor(hs, device=out.device), c.permute(1, 2, 0, 3))
+            c = recv[start:start + len(hs) * chunk].view(n, len(hs), b, e)
+            out.index_add_(2, torch.tensor(hs, device=out.device), c.permute(2, 0, 1, 3))
+        start += len(hs) * chunk
     return out
 
 
