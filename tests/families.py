@@ -23,8 +23,8 @@ CHUNK = 8
 """Llama 4 chunked attention: queries see keys of their own 8-token chunk."""
 
 # width, depth and heads shared by the families whose configs use the Llama names; token 0
-# is the padding token, as in real checkpoints (its embedding row is zero): it is also what
-# shard_batch puts in the slots that pad S up to a multiple of the shards
+# is the padding token, as in real checkpoints (its embedding row is zero; shard_batch
+# fills the slots that pad S up to the shards with each row's first token, not with it)
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                pad_token_id=0, bos_token_id=1, eos_token_id=2)
