@@ -43,10 +43,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from .api import STRATEGIES, check_strategy
 from .batch import all_reduce_metrics, shard_batch
 from .comm import resolve_group
 from .integrations import transformers as ra_hf
-from .api import STRATEGIES, check_strategy
 from .layouts import LAYOUTS
 from .sharding import positions
 
@@ -83,9 +83,10 @@ class TrainConfig:
     """Sequences per step B (every rank holds all B rows, each cut to its shard)."""
 
     layout: str = "zigzag"
+    """Token placement on the ranks: "contiguous", "zigzag" or "striped"."""
+
     strategy: str = "ring"
     """How attention runs over the shards: "ring", "ulysses" or "allgather"."""
-    """Token placement on the ranks: "contiguous", "zigzag" or "striped"."""
 
     data: str | None = None
     """A local text file trained on as bytes (V = 256); None: the synthetic copy task."""
@@ -481,7 +482,7 @@ def leave_together() -> None:
     and exits meanwhile can make gloo abort the process ("terminate called without an
     active exception", seen under torchrun), so the ranks leave together.
     """
-    dist.barrier()
+    dist.barrier()  # once, at teardown: not in any attention call's path
 
 
 def _spawned_rank(rank: int, cfg, world: int, init_file: str, result_path: str,
