@@ -24,7 +24,7 @@ import torch
 
 from .comm import LocalComm, all_gather_single, reduce_scatter_single
 from .plan import Plan, kv_source
-from .ring import Ring
+from .ring import Ring, attention_backward, attention_forward
 
 __all__ = ["GatherGroup", "merged_plan", "allgather_attention_apply"]
 
@@ -76,8 +76,6 @@ class _AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, groups, pg, world, lse_grad):
-        from .api import attention_forward
-
         b, n, h, _ = q.shape
         out = q.new_empty(b, n, h, v.shape[3])
         lse = None
@@ -100,8 +98,6 @@ class _AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        from .api import attention_backward
-
         q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dsinks = None if sinks is None else torch.zeros_like(sinks)

@@ -14,17 +14,16 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from .comm import LocalComm, RingComm, agree, metadata_device, resolve_group
+from .allgather import GatherGroup, allgather_attention_apply, local_ring
+from .comm import LocalComm, RingComm, agree, resolve_group
 from .kernels import available_kernels, get_kernel
-from .layouts import DEFAULT_LAYOUT, LAYOUTS, Contiguous, Layout, get_layout
+from .layouts import DEFAULT_LAYOUT, LAYOUTS, Contiguous, Layout, get_layout, local_positions
 from .masks import (Mask, check_cu_seqlens, document, fingerprint, head_offset, mask_key,
                     registered_mask, sliding_window)
 from .plan import Plan, make_plan
-from .ring import BACKWARD_OVERLAP, Ring, ring_backward, ring_forward
+from .ring import BACKWARD_OVERLAP, Ring, attention_backward, attention_forward
 from .sharding import SHARD_TAG
 from .spec import AttnSpec, accumulator_dtype
-from .allgather import GatherGroup, allgather_attention_apply, local_ring
-from .layouts import local_positions
 from .ulysses import Exchange, head_split, heads_to_seq, seq_to_heads
 
 __all__ = ["allgather_attention", "ring_attention", "ulysses_attention"]
@@ -32,83 +31,6 @@ __all__ = ["allgather_attention", "ring_attention", "ulysses_attention"]
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _DEVICES = ("cpu", "cuda")
 _LAYOUT_NAMES = sorted(LAYOUTS)
-
-
-LSE_GRAD_COLUMNS = 8
-"""Extra head-dim columns that carry the lse gradient through the backward (8 keeps CUDA
-kernels' alignment)."""
-
-
-def _fold_lse_grad(q, k, v, dout, out, dlse_BHL):
-    """Inputs of a backward whose result includes the gradient of lse.
-
-    d lse_i / d s_ij = p_ij, so the lse gradient g adds g_i p_ij to the score gradient
-    ds_ij = p_ij (dp_ij - delta_i), delta_i = dout_i . out_i: it is the same backward with
-    delta_i - g_i in place of delta_i. Every kernel computes delta from (dout, out), so one
-    extra column with dout = 1 and out = -g (and 0 in q, k, v, so scores and dp do not
-    change) makes it so. The extra columns of dq, dk, dv are dropped.
-    """
-    e = LSE_GRAD_COLUMNS
-    pad = [torch.nn.functional.pad(t, (0, e)) for t in (q, k, v, dout, out)]
-    g = torch.where(torch.isfinite(dlse_BHL), dlse_BHL, 0.0).transpose(1, 2)  # [B, L, H]
-    pad[3][..., -e] = 1
-    pad[4][..., -e] = -g.to(out.dtype)
-    return pad
-
-
-def _add_sinks(out_BLHD, lse_BHL, sinks_H):
-    """Fold attention sinks into a finished result: a sink is a key with logit ``sinks[h]``
-    and value 0 in every row's softmax (gpt-oss), so the merge with (out 0, lse sink) gives
-    lse' = logaddexp(lse, sink) and out' = out * exp(lse - lse')."""
-    sink_BHL = sinks_H.to(lse_BHL.dtype).view(1, -1, 1).expand_as(lse_BHL)
-    new_BHL = torch.logaddexp(lse_BHL, sink_BHL)
-    keep = torch.exp(lse_BHL - new_BHL)  # 0 for rows that see no key (lse = -inf)
-    return out_BLHD * keep.transpose(1, 2).unsqueeze(-1), new_BHL
-
-
-def attention_forward(q, k, v, sinks, ring: Ring):
-    """(out, lse) of this rank's queries over every key of the ring (and the sinks)."""
-    if sinks is None:
-        return ring_forward(q, k, v, ring)
-    acc_out, lse = ring_forward(q, k, v, ring, keep_accumulator=True)
-    acc_out, lse = _add_sinks(acc_out, lse, sinks.detach())
-    return acc_out.to(q.dtype), lse
-
-
-def attention_backward(ring: Ring, lse_grad: bool, q, k, v, out, lse, sinks, dout, dlse,
-                       need_dsinks: bool):
-    """(dq, dk, dv, dsinks or None) for upstream gradients ``dout`` and ``dlse`` (either may
-    be None), against the final out and lse (sinks included).
-
-    The ring runs against the FINAL out and lse: p_ij = exp(s_ij - lse_i) is then each
-    key's true probability, so per-block gradients add up exactly; the sink of head h gets
-    -sum_i p_sink_i (delta_i - dlse_i) over this rank's rows, delta_i = dout_i . out_i (its
-    share: sum it over the group like any parameter's). With ``lse_grad`` every rank takes
-    part in one small all-reduce that decides whether any rank has an lse gradient.
-    """
-    dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-    fold = dlse is not None
-    if lse_grad and ring.comm.world > 1:
-        # every rank must send the same shapes: fold if any rank has an lse gradient
-        flag = torch.tensor([int(fold)], device=metadata_device(ring.comm.group))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ring.comm.group)
-        fold = bool(flag.item())
-    dsinks = None
-    if sinks is not None and need_dsinks:
-        acc = accumulator_dtype(q.dtype)
-        delta_BHL = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)
-        if dlse is not None:
-            delta_BHL = delta_BHL - torch.where(torch.isfinite(dlse), dlse, 0.0).to(acc)
-        p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse.to(acc))
-        dsinks = -(p_sink * delta_BHL).sum((0, 2)).to(sinks.dtype)
-    if not fold:
-        return (*ring_backward(dout, q, k, v, out, lse, ring), dsinks)
-    if dlse is None:
-        dlse = torch.zeros_like(lse)
-    d, dv_width = q.shape[-1], v.shape[-1]
-    padded = _fold_lse_grad(q, k, v, dout, out, dlse)
-    dq, dk, dv = ring_backward(padded[3], *padded[:3], padded[4], lse, ring)
-    return dq[..., :d], dk[..., :d], dv[..., :dv_width], dsinks
 
 
 class _RingAttention(torch.autograd.Function):
@@ -545,11 +467,11 @@ def ulysses_attention(
     _not_compiling("ulysses_attention")
 
     def grads():  # which inputs need a gradient decides which reverse all-to-alls run
-        wants = [t is not None and t.requires_grad for t in (q, k, v, sinks)]
-        return {"grads": sum(int(w) << i for i, w in enumerate(wants))}
+        wants = [bool(getattr(t, "requires_grad", False)) for t in (q, k, v, sinks)]
+        return (sum(int(w) << i for i, w in enumerate(wants)),)
 
-    pg, comm, checked = _agreed_unplanned(
-        q, k, v, group, ("grads",), grads, causal=causal, window_size=window_size,
+    pg, comm, checked, _ = _agreed(
+        q, k, v, group, ("grads",), grads, plan_ring=False, causal=causal, window_size=window_size,
         softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask,
         cu_seqlens=cu_seqlens, kernel=kernel, return_lse=return_lse, softcap=softcap,
         sinks=sinks, alibi_slopes=alibi_slopes)
@@ -618,14 +540,17 @@ def allgather_attention(
     _not_compiling("allgather_attention")
 
     def stride_field():
+        if not isinstance(k, torch.Tensor) or k.dim() != 4:
+            return (-1,)  # the checks that follow report k
         n = k.shape[2] if heads_k_stride is None else heads_k_stride
         if not isinstance(n, int) or isinstance(n, bool) or n < 1 or k.shape[2] % n:
             raise ValueError(f"heads_k_stride must divide the {k.shape[2]} kv heads, got "
                              f"{heads_k_stride!r}")
-        return {"heads_k_stride": n}
+        return (n,)
 
-    pg, comm, checked = _agreed_unplanned(
-        q, k, v, group, ("heads_k_stride",), stride_field, causal=causal, window_size=window_size,
+    pg, comm, checked, _ = _agreed(
+        q, k, v, group, ("heads_k_stride",), stride_field, plan_ring=False, causal=causal,
+        window_size=window_size,
         softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask,
         cu_seqlens=cu_seqlens, kernel=kernel, return_lse=return_lse, softcap=softcap,
         sinks=sinks, alibi_slopes=alibi_slopes)
@@ -641,46 +566,13 @@ def allgather_attention(
     groups = []
     for a in range(0, hkv, stride):
         qa, qb = a * per, (a + stride) * per
-        slopes = None if spec.alibi_slopes is None else spec.alibi_slopes[qa:qb]
-        spec_g = AttnSpec(causal=spec.causal, window_size=spec.window_size,
-                          softmax_scale=spec.softmax_scale, seqlen=s, layout=spec.layout,
-                          softcap=spec.softcap, alibi_slopes=slopes)
-        mask_g = head_offset(checked.mask, qa)
-        plan = make_plan(lay, mask_g, world, rank, s, batch=b, heads=qb - qa, device=q.device,
-                         tile=getattr(checked.kernel, "tile", (256, 128)),
-                         digest=fingerprint(mask_g, s, b, qb - qa, q.device))
+        spec_g, plan = _heads_plan(checked, qa, qb, lay, world, rank, b, q.device)
         ring = local_ring(spec_g, plan, checked.kernel, lay, world, rank, n, q_pos, kv_pos)
         groups.append(GatherGroup(a, a + stride, qa, qb, ring))
     q, k, v = unit_stride(q, k, v)
     with _no_autocast(q.device.type):
         out, lse = allgather_attention_apply(q, k, v, sinks, groups, pg, world, bool(return_lse))
     return (out, lse) if return_lse else out
-
-
-def _agreed_unplanned(q, k, v, group, extra_names, extra, **args):
-    """Validate this rank's call, add the fields ``extra()`` returns (named ``extra_names``;
-    it may raise), and agree with every rank: (group, comm, Checked without a ring plan).
-
-    Raises:
-        TypeError, ValueError: the same error on every rank, before any other collective.
-    """
-    pg = resolve_group(group)
-    comm = RingComm(pg)
-    error, fields = None, dict.fromkeys(_FIELD_NAMES + tuple(extra_names), -1)
-    checked = None
-    try:
-        checked = _check_local(
-            q, k, v, comm, args["causal"], args["window_size"], args["softmax_scale"],
-            args["layout"], args["seqlen"], args["mask"], args["cu_seqlens"], args["kernel"],
-            "all", args["return_lse"], pg, args["softcap"], args["sinks"],
-            args["alibi_slopes"], plan_ring=False)
-        fields = dict(checked.fields, **extra())
-        checked = replace(checked, fields=fields)
-    except (TypeError, ValueError) as exc:  # reported on every rank by agree() below
-        error = exc
-        fields = dict.fromkeys(_FIELD_NAMES + tuple(extra_names), -1)
-    agree(pg, fields, error, _describe)
-    return pg, comm, checked
 
 
 def _not_compiling(name: str) -> None:
@@ -691,19 +583,24 @@ def _not_compiling(name: str) -> None:
                          f"(strategy='ring'), which compiles as custom ops")
 
 
-def _local_ring(checked: Checked, lo: int, hi: int, batch: int, device) -> Ring:
-    """A one-rank ring over the whole sequence (global order) for heads [lo, hi)."""
+def _heads_plan(checked: Checked, lo: int, hi: int, layout: Layout, world: int, rank: int,
+                batch: int, device) -> tuple[AttnSpec, Plan]:
+    """The call's spec and the ring plan of ``rank`` for query heads [lo, hi) only (their
+    ALiBi slopes; the mask sees global head indices), for strategies that split heads."""
     spec = checked.spec
     slopes = None if spec.alibi_slopes is None else spec.alibi_slopes[lo:hi]
-    local = AttnSpec(causal=spec.causal, window_size=spec.window_size,
-                     softmax_scale=spec.softmax_scale, seqlen=spec.seqlen, layout="contiguous",
-                     softcap=spec.softcap, alibi_slopes=slopes)
+    spec = replace(spec, layout=layout.name, alibi_slopes=slopes)
     mask = head_offset(checked.mask, lo)
-    digest = fingerprint(mask, spec.seqlen, batch, hi - lo, device)
-    plan = make_plan(Contiguous(), mask, 1, 0, spec.seqlen, batch=batch, heads=hi - lo,
+    plan = make_plan(layout, mask, world, rank, spec.seqlen, batch=batch, heads=hi - lo,
                      device=device, tile=getattr(checked.kernel, "tile", (256, 128)),
-                     digest=digest)
-    return Ring(LocalComm(), local, plan, checked.kernel, 1, "all", Contiguous())
+                     digest=fingerprint(mask, spec.seqlen, batch, hi - lo, device))
+    return spec, plan
+
+
+def _local_ring(checked: Checked, lo: int, hi: int, batch: int, device) -> Ring:
+    """A one-rank ring over the whole sequence (global order) for heads [lo, hi)."""
+    spec, plan = _heads_plan(checked, lo, hi, Contiguous(), 1, 0, batch, device)
+    return Ring(LocalComm(), spec, plan, checked.kernel, 1, "all", Contiguous())
 
 
 def autocast_inputs(q, k, v):
@@ -743,22 +640,44 @@ def build_ring(q, k, v, *, group, causal, window_size, softmax_scale, layout, se
     Raises:
         TypeError, ValueError: the same error on every rank, before any ring communication.
     """
+    pg, comm, checked, last = _agreed(
+        q, k, v, group, extra_fields, extra_check, plan_ring=True, causal=causal,
+        window_size=window_size, softmax_scale=softmax_scale, layout=layout, seqlen=seqlen,
+        mask=mask, cu_seqlens=cu_seqlens, kernel=kernel, backward_overlap=backward_overlap,
+        return_lse=return_lse, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
+    return Ring(comm, checked.spec, checked.plan, checked.kernel, last + 1, backward_overlap,
+                checked.layout)
+
+
+def _agreed(q, k, v, group, extra_fields, extra_check, *, plan_ring, backward_overlap="all",
+            **args):
+    """Validate this rank's call (planning its ring with ``plan_ring``), add the ints
+    ``extra_check()`` returns for ``extra_fields`` (it runs first and may raise only
+    TypeError/ValueError), and agree with every rank
+    in one metadata all-gather: (group, comm, Checked, the last ring step any rank needs).
+
+    Raises:
+        TypeError, ValueError: the same error on every rank, before any other collective.
+    """
     pg = resolve_group(group)
     comm = RingComm(pg)
-    error, fields = None, dict.fromkeys(_FIELD_NAMES + tuple(extra_fields), -1)
+    error, fields, checked = None, dict.fromkeys(_FIELD_NAMES + tuple(extra_fields), -1), None
     try:
+        # first: a caller's own inputs get its own messages (Eagle3's key sets); it must
+        # raise only TypeError/ValueError whatever q, k, v are
         extra = () if extra_check is None else tuple(extra_check())
         checked = _check_local(
-            q, k, v, comm, causal, window_size, softmax_scale, layout, seqlen, mask,
-            cu_seqlens, kernel, backward_overlap, return_lse, pg, softcap, sinks, alibi_slopes,
-        )
+            q, k, v, comm, args["causal"], args["window_size"], args["softmax_scale"],
+            args["layout"], args["seqlen"], args["mask"], args["cu_seqlens"], args["kernel"],
+            backward_overlap, args["return_lse"], pg, args["softcap"], args["sinks"],
+            args["alibi_slopes"], plan_ring=plan_ring)
         fields = dict(checked.fields)
         fields.update(zip(extra_fields, extra, strict=True))
+        checked = replace(checked, fields=fields)
     except (TypeError, ValueError) as exc:  # reported on every rank by agree() below
         error = exc
     last = agree(pg, fields, error, _describe, reduce=("last_step",))["last_step"]
-    return Ring(comm, checked.spec, checked.plan, checked.kernel, last + 1, backward_overlap,
-                checked.layout)
+    return pg, comm, checked, last
 
 
 # the custom ops build on the functions above (torch.compile's entry into the ring)

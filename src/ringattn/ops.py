@@ -15,7 +15,7 @@ have fake implementations for shapes:
   runs the ring's backward. ``steps`` (the ring length all ranks agreed on in forward, as a
   0-d tensor) lets it rebuild the ring from the cached plan without a second agreement.
 
-Both call the functions eager calls use (``api.attention_forward`` / ``attention_backward``):
+Both call the functions eager calls use (``ring.attention_forward`` / ``attention_backward``):
 one implementation, two entry points. Tensors that carry no value are passed empty
 (``sinks`` without sinks, ``cu_seqlens`` without documents), since an op's outputs and
 inputs must be tensors.
@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from .api import attention_backward, attention_forward, build_ring, _check_local
+from .api import _check_local, build_ring
 from .comm import RingComm, group_by_name
 from .masks import registered_mask
-from .ring import Ring
+from .ring import Ring, attention_backward, attention_forward
 
 __all__ = ["compiled_ring_attention"]
 

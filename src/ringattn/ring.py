@@ -18,15 +18,17 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+import torch.distributed as dist
 
-from .comm import RingComm
+from .comm import RingComm, metadata_device
 from .kernels import Kernel
 from .layouts import Layout, local_positions
 from .merge import merge_
 from .plan import Plan
 from .spec import AttnSpec, accumulator_dtype
 
-__all__ = ["BACKWARD_OVERLAP", "Ring", "ring_forward", "ring_backward"]
+__all__ = ["BACKWARD_OVERLAP", "Ring", "attention_backward", "attention_forward",
+           "ring_backward", "ring_forward"]
 
 
 @dataclass(frozen=True)
@@ -197,3 +199,84 @@ def _kv_buffer(k_BLHD, v_BLHD, steps):
     if steps == 1:
         return (k_BLHD, v_BLHD), lambda kv: kv
     return torch.cat((k_BLHD, v_BLHD), dim=3), lambda kv: (kv[..., :d], kv[..., d:])
+
+
+# ---------------------------------------------------------------------------------------
+# What every strategy wraps around the loops: attention sinks and the gradient of lse.
+# ---------------------------------------------------------------------------------------
+
+LSE_GRAD_COLUMNS = 8
+"""Extra head-dim columns that carry the lse gradient through the backward (8 keeps CUDA
+kernels' alignment)."""
+
+
+def _fold_lse_grad(q, k, v, dout, out, dlse_BHL):
+    """Inputs of a backward whose result includes the gradient of lse.
+
+    d lse_i / d s_ij = p_ij, so the lse gradient g adds g_i p_ij to the score gradient
+    ds_ij = p_ij (dp_ij - delta_i), delta_i = dout_i . out_i: it is the same backward with
+    delta_i - g_i in place of delta_i. Every kernel computes delta from (dout, out), so one
+    extra column with dout = 1 and out = -g (and 0 in q, k, v, so scores and dp do not
+    change) makes it so. The extra columns of dq, dk, dv are dropped.
+    """
+    e = LSE_GRAD_COLUMNS
+    pad = [torch.nn.functional.pad(t, (0, e)) for t in (q, k, v, dout, out)]
+    g = torch.where(torch.isfinite(dlse_BHL), dlse_BHL, 0.0).transpose(1, 2)  # [B, L, H]
+    pad[3][..., -e] = 1
+    pad[4][..., -e] = -g.to(out.dtype)
+    return pad
+
+
+def _add_sinks(out_BLHD, lse_BHL, sinks_H):
+    """Fold attention sinks into a finished result: a sink is a key with logit ``sinks[h]``
+    and value 0 in every row's softmax (gpt-oss), so the merge with (out 0, lse sink) gives
+    lse' = logaddexp(lse, sink) and out' = out * exp(lse - lse')."""
+    sink_BHL = sinks_H.to(lse_BHL.dtype).view(1, -1, 1).expand_as(lse_BHL)
+    new_BHL = torch.logaddexp(lse_BHL, sink_BHL)
+    keep = torch.exp(lse_BHL - new_BHL)  # 0 for rows that see no key (lse = -inf)
+    return out_BLHD * keep.transpose(1, 2).unsqueeze(-1), new_BHL
+
+
+def attention_forward(q, k, v, sinks, ring: Ring):
+    """(out, lse) of this rank's queries over every key of the ring (and the sinks)."""
+    if sinks is None:
+        return ring_forward(q, k, v, ring)
+    acc_out, lse = ring_forward(q, k, v, ring, keep_accumulator=True)
+    acc_out, lse = _add_sinks(acc_out, lse, sinks.detach())
+    return acc_out.to(q.dtype), lse
+
+
+def attention_backward(ring: Ring, lse_grad: bool, q, k, v, out, lse, sinks, dout, dlse,
+                       need_dsinks: bool):
+    """(dq, dk, dv, dsinks or None) for upstream gradients ``dout`` and ``dlse`` (either may
+    be None), against the final out and lse (sinks included).
+
+    The ring runs against the FINAL out and lse: p_ij = exp(s_ij - lse_i) is then each
+    key's true probability, so per-block gradients add up exactly; the sink of head h gets
+    -sum_i p_sink_i (delta_i - dlse_i) over this rank's rows, delta_i = dout_i . out_i (its
+    share: sum it over the group like any parameter's). With ``lse_grad`` every rank takes
+    part in one small all-reduce that decides whether any rank has an lse gradient.
+    """
+    dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+    fold = dlse is not None
+    if lse_grad and ring.comm.world > 1:
+        # every rank must send the same shapes: fold if any rank has an lse gradient
+        flag = torch.tensor([int(fold)], device=metadata_device(ring.comm.group))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ring.comm.group)
+        fold = bool(flag.item())
+    dsinks = None
+    if sinks is not None and need_dsinks:
+        acc = accumulator_dtype(q.dtype)
+        delta_BHL = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)
+        if dlse is not None:
+            delta_BHL = delta_BHL - torch.where(torch.isfinite(dlse), dlse, 0.0).to(acc)
+        p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse.to(acc))
+        dsinks = -(p_sink * delta_BHL).sum((0, 2)).to(sinks.dtype)
+    if not fold:
+        return (*ring_backward(dout, q, k, v, out, lse, ring), dsinks)
+    if dlse is None:
+        dlse = torch.zeros_like(lse)
+    d, dv_width = q.shape[-1], v.shape[-1]
+    padded = _fold_lse_grad(q, k, v, dout, out, dlse)
+    dq, dk, dv = ring_backward(padded[3], *padded[:3], padded[4], lse, ring)
+    return dq[..., :d], dk[..., :d], dv[..., :dv_width], dsinks
