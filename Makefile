@@ -37,6 +37,7 @@ bench: install
 	$(PY) benchmarks/bench_masks.py
 	$(PY) benchmarks/bench_eagle3.py
 	$(PY) benchmarks/bench_strategies.py
+	$(PY) benchmarks/bench_features.py
 	$(PY) benchmarks/report.py
 
 clean:
