@@ -16,7 +16,7 @@ Example (every rank runs this; ``pg`` is a process group of W ranks)::
 """
 
 from . import eagle3, kernels, layouts, masks, plan
-from .api import allgather_attention, ring_attention, ulysses_attention
+from .api import allgather_attention, hybrid_attention, ring_attention, ulysses_attention
 from .batch import RingContext, all_reduce_metrics, shard_batch
 from .merge import merge
 from .sharding import positions, shard, unshard
@@ -28,6 +28,7 @@ __all__ = [
     "RingContext",
     "all_reduce_metrics",
     "eagle3",
+    "hybrid_attention",
     "kernels",
     "layouts",
     "masks",

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from .allgather import GatherGroup, allgather_attention_apply, local_ring
-from .comm import LocalComm, RingComm, agree, resolve_group
+from .comm import HYBRID_DIMS, LocalComm, RingComm, agree, is_hybrid_mesh, mesh_groups, resolve_group
 from .kernels import available_kernels, get_kernel
-from .layouts import DEFAULT_LAYOUT, LAYOUTS, Contiguous, Layout, get_layout, local_positions
+from .layouts import DEFAULT_LAYOUT, LAYOUTS, Layout, get_layout, grouped, local_positions
 from .masks import (Mask, check_cu_seqlens, document, fingerprint, head_offset, mask_key,
                     registered_mask, sliding_window)
 from .plan import Plan, make_plan
@@ -26,7 +26,7 @@ from .sharding import SHARD_TAG
 from .spec import AttnSpec, accumulator_dtype
 from .ulysses import Exchange, head_split, heads_to_seq, seq_to_heads
 
-__all__ = ["allgather_attention", "ring_attention", "ulysses_attention"]
+__all__ = ["allgather_attention", "hybrid_attention", "ring_attention", "ulysses_attention"]
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _DEVICES = ("cpu", "cuda")
@@ -463,41 +463,143 @@ def ulysses_attention(
     Arguments, Returns, Raises: as ``ring_attention`` (no ``backward_overlap``: nothing is
     overlapped). sinks' gradient on each rank covers its own heads; sum it over the group.
     """
-    q, k, v = autocast_inputs(q, k, v)
     _not_compiling("ulysses_attention")
+    pg = resolve_group(group)
+    return _split_heads_attention(
+        q, k, v, _Topology.ulysses(pg), causal=causal, window_size=window_size,
+        softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask,
+        cu_seqlens=cu_seqlens, kernel=kernel, return_lse=return_lse, softcap=softcap,
+        sinks=sinks, alibi_slopes=alibi_slopes, backward_overlap="all")
+
+
+def hybrid_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softmax_scale: float | None = None,
+    layout: str = DEFAULT_LAYOUT,
+    seqlen: int | None = None,
+    mask: Mask | None = None,
+    cu_seqlens=None,
+    return_lse: bool = False,
+    kernel=None,
+    backward_overlap: str = "all",
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes=None,
+):
+    """``ring_attention``'s computation on a 2-D DeviceMesh: Ulysses within, the ring across
+    (USP; TransformerEngine's a2a+p2p). The same arguments, shards (``ra.shard`` with
+    ``group=mesh``: a rank's shard index is ring_rank * U + ulysses_rank), semantics and
+    guarantees.
+
+    ``group`` is a DeviceMesh with mesh_dim_names ("ring", "ulysses") of sizes (R, U), made
+    e.g. by ``init_device_mesh("cuda", (R, U), mesh_dim_names=("ring", "ulysses"))`` so
+    that a Ulysses group is one node. Each rank all-to-alls its shard over its Ulysses group
+    (getting the U shards of that group for ~H/U heads, as ``ulysses_attention``), then the
+    R groups run the ring over those unions (``layouts.Grouped``: zigzag over W grouped by
+    U is zigzag over R, so causal work stays balanced), then the outputs go back.
+
+    Memory contract: a rank holds S / R tokens of ~H/U heads (the size of its shards of all
+    heads, times U/U), and the ring's one visiting K/V block of that size.
+
+    Arguments, Returns, Raises: as ``ring_attention``. sinks' gradient on each rank covers
+    its own heads and queries; sum it over the mesh.
+    """
+    _not_compiling("hybrid_attention")
+    if not is_hybrid_mesh(group):
+        what = (f"a {group.ndim}-D DeviceMesh" if hasattr(group, "ndim")
+                else type(group).__name__)
+        raise TypeError(f"hybrid_attention takes group= a 2-D DeviceMesh with "
+                        f"mesh_dim_names={HYBRID_DIMS}, got {what}")
+    return _split_heads_attention(
+        q, k, v, _Topology.hybrid(group), causal=causal, window_size=window_size,
+        softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask,
+        cu_seqlens=cu_seqlens, kernel=kernel, return_lse=return_lse, softcap=softcap,
+        sinks=sinks, alibi_slopes=alibi_slopes, backward_overlap=backward_overlap)
+
+
+@dataclass(frozen=True)
+class _Topology:
+    """Where a head-splitting strategy runs: ``flat`` (every rank, shard order) is the
+    Ulysses dimension (``uly``, U ranks, this rank u) x the ring dimension (``ring``, R
+    ranks, this rank r), with flat rank r * U + u. Pure Ulysses has R = 1."""
+
+    flat: dist.ProcessGroup
+    uly: dist.ProcessGroup | None
+    u: int
+    U: int
+    ring: dist.ProcessGroup | None
+    r: int
+    R: int
+
+    @staticmethod
+    def ulysses(pg):
+        w = dist.get_world_size(pg)
+        return _Topology(pg, pg, dist.get_rank(pg), w, None, 0, 1)
+
+    @staticmethod
+    def hybrid(mesh):
+        flat, ring, uly = mesh_groups(mesh)
+        t = _Topology(flat, uly, dist.get_rank(uly), dist.get_world_size(uly), ring,
+                      dist.get_rank(ring), dist.get_world_size(ring))
+        assert dist.get_rank(flat) == t.r * t.U + t.u, "a mesh flattened row-major"
+        return t
+
+
+def _split_heads_attention(q, k, v, topo: _Topology, *, return_lse, sinks, backward_overlap,
+                           **args):
+    """Ulysses over ``topo.uly`` (~H/U heads of the U members' shards on each rank), the ring
+    over ``topo.ring`` on those unions, and back (see ``ulysses_attention`` and
+    ``hybrid_attention``)."""
+    q, k, v = autocast_inputs(q, k, v)
 
     def grads():  # which inputs need a gradient decides which reverse all-to-alls run
         wants = [bool(getattr(t, "requires_grad", False)) for t in (q, k, v, sinks)]
         return (sum(int(w) << i for i, w in enumerate(wants)),)
 
-    pg, comm, checked, _ = _agreed(
-        q, k, v, group, ("grads",), grads, plan_ring=False, causal=causal, window_size=window_size,
-        softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask,
-        cu_seqlens=cu_seqlens, kernel=kernel, return_lse=return_lse, softcap=softcap,
-        sinks=sinks, alibi_slopes=alibi_slopes)
-    spec = checked.spec
-    b, _, h, d = q.shape
-    world, rank, s = comm.world, comm.rank, spec.seqlen
-    split = head_split(h, k.shape[2], world)
-    ex_q = Exchange(pg, rank, world, checked.layout, s, split.q_heads)
-    ex_kv = Exchange(pg, rank, world, checked.layout, s, split.kv_heads)
-    q_f, k_f, v_f = seq_to_heads((ex_q, ex_kv, ex_kv), q, k, v)  # [B, S_pad, heads_r, D]
-    lo, hi = split.q_range(rank)
+    mine = {}  # this rank's heads and the ring's spec and plan for them
+
+    def planner(c: Checked) -> Plan:
+        split = head_split(c.fields["heads"], c.fields["kv_heads"], topo.U)
+        lo, hi = split.q_range(topo.u)
+        lay = grouped(c.layout, topo.U, topo.R)
+        spec, plan = _heads_plan(c, lo, hi, lay, topo.R, topo.r, c.fields["batch"], q.device) \
+            if hi > lo else (c.spec, Plan(((),) * topo.R))
+        mine.update(split=split, lo=lo, hi=hi, layout=lay, spec=spec)
+        return plan
+
+    _, _, checked, last = _agreed(
+        q, k, v, topo.flat, ("grads",), grads, planner=planner, return_lse=return_lse,
+        sinks=sinks, backward_overlap=backward_overlap, **args)
+    b, h, s = q.shape[0], q.shape[2], checked.spec.seqlen
+    split, lo, hi, lay = mine["split"], mine["lo"], mine["hi"], mine["layout"]
+    if topo.U > 1:
+        ex_q, ex_kv = (Exchange(topo.uly, topo.u, topo.U, heads, lay, topo.r, topo.R, s)
+                       for heads in (split.q_heads, split.kv_heads))
+        q_f, k_f, v_f = seq_to_heads((ex_q, ex_kv, ex_kv), q, k, v)  # [B, U*L, heads_u, D]
+    else:
+        q_f, k_f, v_f = q, k, v
     with _no_autocast(q.device.type):
         if hi > lo:
-            ring = _local_ring(checked, lo, hi, b, q.device)
-            out_s, lse_s = _RingAttention.apply(
-                *unit_stride(q_f[:, :s], k_f[:, :s], v_f[:, :s]),
-                None if sinks is None else sinks[lo:hi], ring, bool(return_lse))
+            comm = LocalComm() if topo.R == 1 else RingComm(topo.ring)
+            ring = Ring(comm, mine["spec"], checked.plan, checked.kernel,
+                        last + 1 if topo.R > 1 else 1, backward_overlap, lay)
+            out_f, lse_f = _RingAttention.apply(
+                *unit_stride(q_f, k_f, v_f), None if sinks is None else sinks[lo:hi], ring,
+                bool(return_lse))
         else:  # no head here; still part of the autograd graph, so backward's collectives run
             zero = (q_f.sum() + k_f.sum() + v_f.sum()) * 0
-            out_s = q_f.new_zeros(b, s, 0, v.shape[3]) + zero.to(q.dtype)
-            lse_s = zero.new_zeros(b, 0, s, dtype=accumulator_dtype(q.dtype)) + zero
-    pad = q_f.shape[1] - s  # the layout's padding slots: out 0, lse -inf
-    out_f = torch.nn.functional.pad(out_s, (0, 0, 0, 0, 0, pad))
+            out_f = q_f.new_zeros(b, q_f.shape[1], 0, v.shape[3]) + zero.to(q.dtype)
+            lse_f = zero.new_zeros(b, 0, q_f.shape[1], dtype=accumulator_dtype(q.dtype)) + zero
+    if topo.U == 1:
+        return (out_f, lse_f) if return_lse else out_f
     if not return_lse:
         return heads_to_seq(ex_q, h, out_f)[0]
-    lse_f = torch.nn.functional.pad(lse_s, (0, pad), value=float("-inf"))
     out, lse_BLH1 = heads_to_seq(ex_q, h, out_f, lse_f.transpose(1, 2).unsqueeze(-1))
     return out, lse_BLH1.squeeze(-1).transpose(1, 2)
 
@@ -597,12 +699,6 @@ def _heads_plan(checked: Checked, lo: int, hi: int, layout: Layout, world: int, 
     return spec, plan
 
 
-def _local_ring(checked: Checked, lo: int, hi: int, batch: int, device) -> Ring:
-    """A one-rank ring over the whole sequence (global order) for heads [lo, hi)."""
-    spec, plan = _heads_plan(checked, lo, hi, Contiguous(), 1, 0, batch, device)
-    return Ring(LocalComm(), spec, plan, checked.kernel, 1, "all", Contiguous())
-
-
 def autocast_inputs(q, k, v):
     """q, k, v in the autocast dtype when autocast is on for their device (as SDPA does:
     attention is one of autocast's lower-precision ops), else as they are."""
@@ -649,9 +745,10 @@ def build_ring(q, k, v, *, group, causal, window_size, softmax_scale, layout, se
                 checked.layout)
 
 
-def _agreed(q, k, v, group, extra_fields, extra_check, *, plan_ring, backward_overlap="all",
-            **args):
-    """Validate this rank's call (planning its ring with ``plan_ring``), add the ints
+def _agreed(q, k, v, group, extra_fields, extra_check, *, plan_ring=False, planner=None,
+            backward_overlap="all", **args):
+    """Validate this rank's call (planning its ring with ``plan_ring``, or with
+    ``planner(checked)`` for strategies whose ring is not over ``group``), add the ints
     ``extra_check()`` returns for ``extra_fields`` (it runs first and may raise only
     TypeError/ValueError), and agree with every rank
     in one metadata all-gather: (group, comm, Checked, the last ring step any rank needs).
@@ -673,7 +770,10 @@ def _agreed(q, k, v, group, extra_fields, extra_check, *, plan_ring, backward_ov
             args["alibi_slopes"], plan_ring=plan_ring)
         fields = dict(checked.fields)
         fields.update(zip(extra_fields, extra, strict=True))
-        checked = replace(checked, fields=fields)
+        plan = checked.plan if planner is None else planner(checked)
+        if planner is not None:
+            fields["last_step"] = plan.last_step
+        checked = replace(checked, fields=fields, plan=plan)
     except (TypeError, ValueError) as exc:  # reported on every rank by agree() below
         error = exc
     last = agree(pg, fields, error, _describe, reduce=("last_step",))["last_step"]
@@ -685,7 +785,7 @@ from .ops import compiled_ring_attention  # noqa: E402
 
 
 STRATEGIES = {"ring": ring_attention, "ulysses": ulysses_attention,
-              "allgather": allgather_attention}
+              "allgather": allgather_attention, "hybrid": hybrid_attention}
 """Strategy name -> its attention function (the same arguments; ``backward_overlap`` is the
 ring's own, ``heads_k_stride`` all-gather's)."""
 

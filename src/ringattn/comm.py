@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["RingComm", "LocalComm", "Hop", "agree", "all_gather_single", "group_by_name",
-           "metadata_device", "reduce_scatter_single", "resolve_group"]
+__all__ = ["HYBRID_DIMS", "RingComm", "LocalComm", "Hop", "agree", "all_gather_single",
+           "group_by_name", "is_hybrid_mesh", "mesh_groups", "metadata_device",
+           "reduce_scatter_single", "resolve_group"]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns);
 # older releases only have the old name.
@@ -32,28 +33,63 @@ def reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
     _reduce_scatter_single(out, x, group=group)
 
 
+HYBRID_DIMS = ("ring", "ulysses")
+"""mesh_dim_names of the 2-D hybrid's DeviceMesh: the ring across (nodes), Ulysses within
+(the inner, faster dimension). A rank's shard index is its row-major place in the mesh,
+ring_rank * U + ulysses_rank (its global rank, for a mesh over the whole world)."""
+
+
+def _device_mesh_type():
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # torch builds without distributed support have no DeviceMesh
+        return None
+    return DeviceMesh
+
+
 def resolve_group(group) -> dist.ProcessGroup:
-    """Accept a ProcessGroup, a 1-D DeviceMesh or None (the default group)."""
+    """Accept a ProcessGroup, a 1-D DeviceMesh, the hybrid's 2-D ("ring", "ulysses")
+    DeviceMesh (all of its ranks, row-major) or None (the default group)."""
     if group is None:
         if not dist.is_initialized():
             raise ValueError("torch.distributed is not initialized and no group was given")
         return dist.group.WORLD
     if isinstance(group, dist.ProcessGroup):
         return group
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:  # torch builds without distributed support have no DeviceMesh
-        DeviceMesh = None
-    if DeviceMesh is not None and isinstance(group, DeviceMesh):
-        if group.ndim != 1:
-            raise ValueError(
-                f"group must be a 1-D DeviceMesh, got one with {group.ndim} dims "
-                f"{group.mesh_dim_names}; pass mesh[dim_name]"
-            )
-        return group.get_group()
+    mesh_type = _device_mesh_type()
+    if mesh_type is not None and isinstance(group, mesh_type):
+        if group.ndim == 1:
+            return group.get_group()
+        return mesh_groups(group)[0]
     raise TypeError(
-        f"group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(group).__name__}"
+        f"group must be a ProcessGroup, a DeviceMesh or None, got {type(group).__name__}"
     )
+
+
+def is_hybrid_mesh(group) -> bool:
+    """Whether ``group`` is a 2-D DeviceMesh (the hybrid's; checked by ``mesh_groups``)."""
+    mesh_type = _device_mesh_type()
+    return mesh_type is not None and isinstance(group, mesh_type) and group.ndim == 2
+
+
+def mesh_groups(mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup]:
+    """(all ranks row-major, the ring dimension's group, the Ulysses dimension's group) of
+    the hybrid's DeviceMesh.
+
+    Raises:
+        ValueError: a mesh that is not 2-D with mesh_dim_names ("ring", "ulysses").
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim != 2 or names != HYBRID_DIMS:
+        raise ValueError(
+            f"group must be a 1-D DeviceMesh or the hybrid's 2-D DeviceMesh with "
+            f"mesh_dim_names={HYBRID_DIMS} (ring across, Ulysses within), got one with "
+            f"{mesh.ndim} dims {names or None}; for one dimension of it pass mesh[dim_name]"
+        )
+    # torch has no public "all ranks of a mesh" group; _flatten makes it once per mesh
+    # (the world group when the mesh covers the world) and is used here and nowhere else
+    return (mesh._flatten().get_group(), mesh["ring"].get_group(),
+            mesh["ulysses"].get_group())
 
 
 def group_by_name(name: str) -> dist.ProcessGroup:

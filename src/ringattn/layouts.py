@@ -27,6 +27,8 @@ __all__ = [
     "Zigzag",
     "Striped",
     "DocumentZigzag",
+    "Grouped",
+    "grouped",
     "LAYOUTS",
     "get_layout",
     "local_positions",
@@ -63,6 +65,9 @@ class Layout:
     increasing = True
     """Every rank's local slots hold increasing global positions (true of all layouts here;
     the plan relies on it to treat a rank's own causal block as one triangle)."""
+
+    unit_stride = True
+    """Every segment is a run of consecutive positions (stride 1)."""
 
     def multiple(self, world: int) -> int:
         """S_pad is the smallest multiple of this that is >= S."""
@@ -109,6 +114,7 @@ class Striped(Layout):
     """Token t lives on rank t mod W at local slot t // W (balanced causal work)."""
 
     name: str = "striped"
+    unit_stride = False
 
     def segments(self, rank: int, world: int, padded: int) -> tuple[Segment, ...]:
         return (Segment(0, padded // world, rank, world),)
@@ -166,6 +172,74 @@ def _document_segments(cu: tuple[int, ...], world: int, padded: int):
             per_rank[r].append(Segment(used[r], local - used[r], pad_start, 1))
             pad_start += local - used[r]
     return tuple(tuple(segs) for segs in per_rank)
+
+
+@dataclass(frozen=True)
+class Grouped(Layout):
+    """``base`` over ``world * size`` ranks, seen as a ring of ``world`` ranks: ring rank r
+    holds the slots of base ranks r*size .. r*size + size-1 (what Ulysses' all-to-all over
+    those ``size`` ranks gathers on each of them; the 2-D hybrid's ring layout). Build it
+    with ``grouped``.
+
+    Slot order: with ``sorted_slots``, the gathered positions in increasing order, as few
+    segments as possible (zigzag over W grouped by ``size`` is then zigzag over W / size,
+    so causal work stays balanced over the ring; a one-rank ring is global order).
+    Otherwise (striped bases on a ring of several ranks, whose sorted slots would be
+    thousands of short runs) the base ranks' slots one after another, not increasing.
+    """
+
+    base: Layout = field(default_factory=Contiguous, kw_only=True)
+    size: int = field(default=1, kw_only=True)
+    sorted_slots: bool = field(default=True, kw_only=True)
+    name: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "name", self.base.name)
+
+    @property
+    def increasing(self) -> bool:  # type: ignore[override]
+        return self.sorted_slots
+
+    def multiple(self, world: int) -> int:
+        return self.base.multiple(world * self.size)
+
+    def segments(self, rank: int, world: int, padded: int) -> tuple[Segment, ...]:
+        return _grouped_segments(self, rank, world, padded)
+
+    def member_slots(self, rank: int, world: int, seqlen: int) -> torch.Tensor:
+        """For each local slot of ``rank``: its index in the base ranks' shards laid one
+        after another (base rank r*size + u's slot i is u * L_base + i) ([L] int64)."""
+        return _member_slots(self, rank, world, seqlen)
+
+
+def grouped(base: Layout, size: int, world: int) -> Layout:
+    """``base`` over ``world * size`` ranks as a ring of ``world`` ranks (``Grouped``)."""
+    if size == 1:
+        return base
+    return Grouped(base=base, size=size, sorted_slots=base.unit_stride or world == 1)
+
+
+@lru_cache(maxsize=256)
+def _grouped_segments(layout: Grouped, rank: int, world: int, padded: int):
+    size, n = layout.size, padded // (world * layout.size)
+    parts = [Segment(s.local_start + u * n, s.length, s.global_start, s.stride)
+             for u in range(size)
+             for s in layout.base.segments(rank * size + u, world * size, padded)]
+    if not layout.sorted_slots:
+        return tuple(parts)
+    pos = torch.cat([torch.arange(s.length) * s.stride + s.global_start for s in parts]).sort().values
+    breaks = [0, *((torch.nonzero(pos[1:] - pos[:-1] != 1).flatten() + 1).tolist()), pos.numel()]
+    return tuple(Segment(a, b - a, int(pos[a]), 1) for a, b in zip(breaks[:-1], breaks[1:]))
+
+
+@lru_cache(maxsize=64)
+def _member_slots(layout: Grouped, rank: int, world: int, seqlen: int) -> torch.Tensor:
+    size = layout.size
+    members = torch.cat([_positions(layout.base, rank * size + u, world * size, seqlen)
+                         for u in range(size)])
+    where = torch.empty(int(members.max()) + 1, dtype=torch.long)
+    where[members] = torch.arange(members.numel())
+    return where[_positions(layout, rank, world, seqlen)]
 
 
 LAYOUTS: dict[str, Layout] = {lay.name: lay for lay in (Contiguous(), Zigzag(), Striped())}

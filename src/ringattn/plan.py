@@ -127,8 +127,10 @@ class Plan:
 
 
 def _valid_prefix(pos: torch.Tensor, seqlen: int) -> int:
-    # local slots hold increasing positions, so real tokens (< S) are a prefix
-    return int((pos < seqlen).sum())
+    """Slots up to the last real token (< S): with increasing positions (every layout but a
+    grouped striped one) exactly the real tokens; padding slots inside are masked."""
+    real = torch.nonzero(pos < seqlen)
+    return int(real[-1]) + 1 if real.numel() else 0
 
 
 def _tile_runs(kinds: list[BlockKind]):

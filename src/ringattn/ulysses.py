@@ -10,12 +10,14 @@ query heads start and end on kv-group boundaries (the usual case) it receives ju
 kv heads, once each; otherwise (W > Hkv, or H not divisible by W) it receives one kv head
 per query head, replicated as far as needed (DeepSpeed's rule, generalised), never more.
 
-The received sequence is in rank-major slot order (every rank's shard in turn); it is put
-in global order with the layout's restore index, so the local attention is plain attention
-over positions 0..S-1 (the first S slots; the layout's padding slots come last) and reuses
-the ring's plan, kernels and merge with one rank. The output goes back the same way. Each
-all-to-all is an autograd Function whose backward is the reverse all-to-all (kv gradients
-from duplicated heads are summed at home).
+The received slots (every rank's shard in turn) are put in the order of a
+``layouts.Grouped`` layout: for pure Ulysses that is global order, so the local attention
+is plain attention over positions 0..S_pad-1 (padding slots last) through the ring's plan,
+kernels and merge with one rank. In the 2-D hybrid each Ulysses group gathers the union of
+its members' shards, and those unions are the slots of a ring over the other mesh
+dimension (zigzag over W grouped by U is zigzag over W / U: balanced). The output goes back
+the same way. Each all-to-all is an autograd Function whose backward is the reverse
+all-to-all (kv gradients from duplicated heads are summed at home).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from .layouts import Layout, restore_index
+from .layouts import Grouped
 
 __all__ = ["HeadSplit", "head_split", "seq_to_heads", "heads_to_seq"]
 
@@ -74,32 +76,36 @@ def _all_to_all(send, in_splits, out_splits, group):
 
 @dataclass(frozen=True)
 class Exchange:
-    """One Ulysses all-to-all of a [B, L, heads, E] tensor: ``send_heads[r]`` (global head
-    indices) go to rank r, which receives them from every rank."""
+    """One Ulysses all-to-all of a [B, L, heads, E] tensor over ``group`` (``world`` ranks):
+    ``send_heads[r]`` (global head indices) go to rank r, which receives them from every
+    rank and puts the slots in the order of ``slots`` (a ``layouts.Grouped``: ring rank
+    ``ring_rank`` of ``ring_world``; one rank for pure Ulysses, where that is global order)."""
 
     group: dist.ProcessGroup
     rank: int
     world: int
-    layout: Layout
-    seqlen: int
     send_heads: tuple[tuple[int, ...], ...]
+    slots: Grouped
+    ring_rank: int
+    ring_world: int
+    seqlen: int
 
-    def restore(self, device):
-        return _restore_on(self.layout, self.world, self.seqlen, str(device))
+    def order(self, device):
+        return _order_on(self.slots, self.ring_rank, self.ring_world, self.seqlen, str(device))
 
 
 @lru_cache(maxsize=64)
-def _restore_on(layout: Layout, world: int, seqlen: int, device: str):
-    """(source rank, slot) of every global position, and the global position of every
-    rank-major slot, on ``device``."""
-    to_global = restore_index(layout, world, seqlen)
-    n = to_global.numel() // world
-    return tuple(t.to(device) for t in (to_global // n, to_global % n, torch.argsort(to_global)))
+def _order_on(slots: Grouped, ring_rank: int, ring_world: int, seqlen: int, device: str):
+    """(source rank, slot) of every local slot of the gathered layout, and the local slot of
+    every received (rank-major) slot, on ``device``."""
+    member = slots.member_slots(ring_rank, ring_world, seqlen)
+    n = member.numel() // slots.size
+    return tuple(t.to(device) for t in (member // n, member % n, torch.argsort(member)))
 
 
 def _scatter(x_BLHE, ex: Exchange):
-    """[B, L, heads, E] sequence shard -> [B, S_pad, len(send_heads[me]), E] in global order
-    (a view of the received buffer, reordered by one copy)."""
+    """[B, L, heads, E] sequence shard -> [B, W*L, len(send_heads[me]), E] in the gathered
+    layout's slot order (the received buffer, reordered by one copy)."""
     b, n, _, e = x_BLHE.shape
     me = len(ex.send_heads[ex.rank])
     heads = [h for hs in ex.send_heads for h in hs]
@@ -107,18 +113,18 @@ def _scatter(x_BLHE, ex: Exchange):
     chunk = b * n * e
     recv = _all_to_all(send, [len(hs) * chunk for hs in ex.send_heads],
                        [me * chunk] * ex.world, ex.group)
-    src, slot, _ = ex.restore(x_BLHE.device)
-    # [W, me, B, L, E] -> global order [S_pad, me, B, E] (one copy) -> [B, S_pad, me, E]
+    src, slot, _ = ex.order(x_BLHE.device)
+    # [W, me, B, L, E] -> slot order [W*L, me, B, E] (one copy) -> [B, W*L, me, E]
     return recv.view(ex.world, me, b, n, e)[src, :, :, slot].permute(2, 0, 1, 3)
 
 
 def _gather(y_BSHE, ex: Exchange, heads: int):
-    """Inverse of ``_scatter``: [B, S_pad, me, E] in global order -> [B, L, heads, E], the
+    """Inverse of ``_scatter``: [B, W*L, me, E] in slot order -> [B, L, heads, E], the
     chunks of each rank's heads summed into their global head (kv heads sent twice get
     both gradients)."""
     b, s_pad, me, e = y_BSHE.shape
     n = s_pad // ex.world
-    _, _, to_slots = ex.restore(y_BSHE.device)
+    _, _, to_slots = ex.order(y_BSHE.device)
     send = y_BSHE.permute(1, 2, 0, 3)[to_slots]  # rank-major [W*L, me, B, E]: one copy
     chunk = n * b * e
     recv = _all_to_all(send, [me * chunk] * ex.world,
@@ -160,13 +166,14 @@ class _HeadsToSeq(torch.autograd.Function):
 
 
 def seq_to_heads(exchanges, *xs_BLHE):
-    """Differentiable: each tensor (this rank's sequence shard of all its heads) -> the whole
-    sequence (global order, S_pad long) of the heads its exchange sends here. Every rank
+    """Differentiable: each tensor (this rank's sequence shard of all its heads) -> the
+    shards of every rank of the group (in the exchange's slot order: global order, S_pad
+    long, for pure Ulysses) for the heads its exchange sends here. Every rank
     must call it with the same exchanges; the backward runs every reverse all-to-all."""
     return _SeqToHeads.apply(tuple(exchanges), *xs_BLHE)
 
 
 def heads_to_seq(exchange, heads: int, *ys_BSHE):
     """Differentiable inverse of ``seq_to_heads`` for tensors of this rank's query heads
-    (out, and lse as [B, S_pad, H_r, 1])."""
+    (out, and lse as [B, W*L, H_r, 1])."""
     return _HeadsToSeq.apply(exchange, heads, *ys_BSHE)

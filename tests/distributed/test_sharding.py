@@ -64,7 +64,7 @@ def with_device_mesh():
 def test_device_mesh_groups(clusters):
     for rank, (same, err) in enumerate(clusters(2).run(with_device_mesh, timeout=90)):
         assert same, rank
-        assert "1-D DeviceMesh" in err and "mesh[dim_name]" in err, (rank, err)
+        assert "1-D DeviceMesh" in err and "mesh[dim_name]" in err and "('ring', 'ulysses')" in err, (rank, err)
 
 
 def document_round_trips():
