@@ -79,6 +79,8 @@ def _describe(name: str, value: int) -> str:
         return "none" if value == -2 else f"cu_seqlens with digest {value}"
     if name == "sinks":
         return "no sinks" if value == 0 else "sinks"
+    if name == "strategy":
+        return repr(STRATEGY_NAMES[value])
     if name == "heads_k_stride":
         return f"heads_k_stride={value}"
     if name == "grads":
@@ -266,6 +268,7 @@ def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seql
         "cu_seqlens": cu_digest,
         "last_step": 0 if plan is None else plan.last_step,
         "return_lse": int(bool(return_lse)),
+        "strategy": 0, "grads": 0, "heads_k_stride": 0,  # set by the strategies
     }
     return Checked(spec, plan, kern, lay, full_mask, fields)
 
@@ -296,8 +299,12 @@ _FIELD_NAMES = (
     "alibi_slopes",
     "dtype", "device", "layout",
     "seqlen", "causal", "window_left", "window_right", "softmax_scale", "kernel", "needs_grad",
-    "mask", "cu_seqlens", "last_step", "return_lse",
+    "mask", "cu_seqlens", "last_step", "return_lse", "strategy", "grads", "heads_k_stride",
 )
+"""What every call agrees on, whatever its strategy (the same row on every rank, so ranks
+that chose different strategies get an error, not mismatched collectives)."""
+
+STRATEGY_NAMES = ("ring", "ulysses", "allgather", "hybrid")
 
 
 def ring_attention(
@@ -536,6 +543,8 @@ class _Topology:
     ring: dist.ProcessGroup | None
     r: int
     R: int
+    mesh: bool = False
+    """Made from the hybrid's 2-D mesh (else pure Ulysses over one group)."""
 
     @staticmethod
     def ulysses(pg):
@@ -546,7 +555,7 @@ class _Topology:
     def hybrid(mesh):
         flat, ring, uly = mesh_groups(mesh)
         t = _Topology(flat, uly, dist.get_rank(uly), dist.get_world_size(uly), ring,
-                      dist.get_rank(ring), dist.get_world_size(ring))
+                      dist.get_rank(ring), dist.get_world_size(ring), mesh=True)
         assert dist.get_rank(flat) == t.r * t.U + t.u, "a mesh flattened row-major"
         return t
 
@@ -575,6 +584,7 @@ def _split_heads_attention(q, k, v, topo: _Topology, *, return_lse, sinks, backw
 
     _, _, checked, last = _agreed(
         q, k, v, topo.flat, ("grads",), grads, planner=planner, return_lse=return_lse,
+        strategy="hybrid" if topo.mesh else "ulysses",
         sinks=sinks, backward_overlap=backward_overlap, **args)
     b, h, s = q.shape[0], q.shape[2], checked.spec.seqlen
     split, lo, hi, lay = mine["split"], mine["lo"], mine["hi"], mine["layout"]
@@ -651,7 +661,7 @@ def allgather_attention(
         return (n,)
 
     pg, comm, checked, _ = _agreed(
-        q, k, v, group, ("heads_k_stride",), stride_field, plan_ring=False, causal=causal,
+        q, k, v, group, ("heads_k_stride",), stride_field, strategy="allgather", causal=causal,
         window_size=window_size,
         softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask,
         cu_seqlens=cu_seqlens, kernel=kernel, return_lse=return_lse, softcap=softcap,
@@ -746,7 +756,7 @@ def build_ring(q, k, v, *, group, causal, window_size, softmax_scale, layout, se
 
 
 def _agreed(q, k, v, group, extra_fields, extra_check, *, plan_ring=False, planner=None,
-            backward_overlap="all", **args):
+            backward_overlap="all", strategy="ring", **args):
     """Validate this rank's call (planning its ring with ``plan_ring``, or with
     ``planner(checked)`` for strategies whose ring is not over ``group``), add the ints
     ``extra_check()`` returns for ``extra_fields`` (it runs first and may raise only
@@ -770,6 +780,7 @@ def _agreed(q, k, v, group, extra_fields, extra_check, *, plan_ring=False, plann
             args["alibi_slopes"], plan_ring=plan_ring)
         fields = dict(checked.fields)
         fields.update(zip(extra_fields, extra, strict=True))
+        fields["strategy"] = STRATEGY_NAMES.index(strategy)
         plan = checked.plan if planner is None else planner(checked)
         if planner is not None:
             fields["last_step"] = plan.last_step

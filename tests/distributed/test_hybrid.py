@@ -130,6 +130,11 @@ def hybrid_errors():
         # rank 3 passes a different layout: every rank reports the disagreement
         lambda: ra.hybrid_attention(q, q, q, group=mesh(2, 2), seqlen=s,
                                     causal=dist.get_rank() == 3),
+        # rank 3 picks another strategy on the same ranks: named, not mismatched collectives
+        lambda: (ra.hybrid_attention if dist.get_rank() == 3 else ra.ring_attention)(
+            q, q, q, group=mesh(2, 2), seqlen=s),
+        lambda: (ra.allgather_attention if dist.get_rank() == 0 else ra.ulysses_attention)(
+            q, q, q, seqlen=s),
     ]
     out = []
     for call in calls:
@@ -145,8 +150,36 @@ def hybrid_errors():
 def test_hybrid_errors_on_every_rank(clusters):
     per_rank = clusters(4).run(hybrid_errors, timeout=100)
     assert all(r == per_rank[0] for r in per_rank), per_rank
-    (c0, m0), (c1, m1), (c2, m2), (c3, m3) = per_rank[0]
+    (c0, m0), (c1, m1), (c2, m2), (c3, m3), (c4, m4), (c5, m5) = per_rank[0]
     assert c0 == "TypeError" and "2-D DeviceMesh" in m0, m0
     assert c1 == "ValueError" and "('ring', 'ulysses')" in m1 and "('dp', 'cp')" in m1, m1
     assert c2 == "ValueError" and "seqlen=16" in m2, m2
     assert c3 == "ValueError" and "causal" in m3 and "rank 3" in m3, m3
+    assert c4 == "ValueError" and "disagree on strategy" in m4 and "'hybrid'" in m4, m4
+    assert c5 == "ValueError" and "disagree on strategy" in m5 and "'allgather'" in m5, m5
+
+
+def largest_hybrid_tensor(seqlen):
+    """Rank side: the largest tensor (elements) any op creates in one hybrid fwd+bwd on a
+    2x2 mesh, and a local q of all heads."""
+    from test_ring_properties import Peak
+
+    b, h, hkv, d = 1, 8, 4, 32
+    n = seqlen // dist.get_world_size()
+    q = torch.randn(b, n, h, d, requires_grad=True)
+    k = torch.randn(b, n, hkv, d, requires_grad=True)
+    v = torch.randn(b, n, hkv, d, requires_grad=True)
+    group = mesh(2, 2)
+    with Peak() as peak:
+        out = ra.hybrid_attention(q, k, v, group=group, causal=True, seqlen=seqlen)
+        out.backward(torch.ones_like(out))
+    return peak.largest, b * n * h * d
+
+
+@pytest.mark.timeout(120)
+def test_memory_contract(clusters):
+    """No tensor larger than a local q of all heads: a rank's gathered q, k, v and out hold
+    S / R tokens of H / U heads, the K/V in flight on the ring are of that size too."""
+    for rank, (largest, local_q) in enumerate(
+            clusters(4).run(largest_hybrid_tensor, 2048, timeout=100)):
+        assert largest <= local_q, (rank, largest, local_q)
