@@ -15,8 +15,9 @@ Example (every rank runs this; ``pg`` is a process group of W ranks)::
     out = ra.unshard(out_l, group=pg, layout="zigzag", seqlen=S)  # [1, S, 8, 64]
 """
 
-from . import eagle3, kernels, layouts, masks, plan
+from . import auto, eagle3, kernels, layouts, masks, plan
 from .api import allgather_attention, hybrid_attention, ring_attention, ulysses_attention
+from .auto import CostModel, Link, attention
 from .batch import RingContext, all_reduce_metrics, shard_batch
 from .merge import merge
 from .sharding import positions, shard, unshard
@@ -24,6 +25,10 @@ from .spec import AttnSpec
 
 __all__ = [
     "AttnSpec",
+    "CostModel",
+    "Link",
+    "attention",
+    "auto",
     "allgather_attention",
     "RingContext",
     "all_reduce_metrics",
