@@ -19,6 +19,7 @@ from . import auto, eagle3, kernels, layouts, masks, plan
 from .api import allgather_attention, hybrid_attention, ring_attention, ulysses_attention
 from .auto import CostModel, Link, attention
 from .batch import RingContext, all_reduce_metrics, shard_batch
+from .comm import hybrid_mesh
 from .merge import merge
 from .sharding import positions, shard, unshard
 from .spec import AttnSpec
@@ -34,6 +35,7 @@ __all__ = [
     "all_reduce_metrics",
     "eagle3",
     "hybrid_attention",
+    "hybrid_mesh",
     "kernels",
     "layouts",
     "masks",

@@ -801,12 +801,20 @@ STRATEGIES = {"ring": ring_attention, "ulysses": ulysses_attention,
 ring's own, ``heads_k_stride`` all-gather's)."""
 
 
-def check_strategy(strategy) -> str:
-    """``strategy`` if it names one of ``STRATEGIES``.
+STRATEGY_CHOICES = ("auto", *STRATEGY_NAMES)
+"""What ``strategy=`` takes wherever it is an argument (``ringattn.attention``)."""
+
+
+def check_strategy(strategy, group=None) -> str:
+    """``strategy`` if it names one of ``STRATEGY_CHOICES`` (and, with ``group`` given,
+    "hybrid" only with the hybrid's 2-D mesh).
 
     Raises:
         ValueError: any other value, with the valid names.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
+    if not isinstance(strategy, str) or strategy not in STRATEGY_CHOICES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {list(STRATEGY_CHOICES)}")
+    if strategy == "hybrid" and group is not None and not is_hybrid_mesh(group):
+        raise ValueError(f"strategy='hybrid' needs group= a 2-D DeviceMesh with "
+                         f"mesh_dim_names={HYBRID_DIMS}, got {type(group).__name__}")
     return strategy

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .api import check_strategy
-from .comm import metadata_device, resolve_group
+from .comm import is_hybrid_mesh, metadata_device, resolve_group
 from .layouts import DEFAULT_LAYOUT
 from .masks import Mask, check_cu_seqlens, key_mask, key_padding, mask_key
 from .sharding import positions, shard
@@ -46,7 +46,10 @@ class RingContext:
     """Padding tokens before the first real one, per batch row (None: no left padding);
     masks that count from a row's first token (Llama 4's chunks) need it."""
     strategy: str = "ring"
-    """Which attention strategy the layers run (``ringattn.api.STRATEGIES``)."""
+    """Which attention strategy the layers run (``ringattn.attention``'s ``strategy``)."""
+    mesh: object = None
+    """The hybrid's 2-D DeviceMesh when the batch was sharded over one (``group`` is then
+    all of its ranks); the attention layers take it as their group."""
     mask_key: int = -1
     """``masks.mask_key(mask)``, set on creation: compiled code passes masks by key."""
     calls: int = 0
@@ -76,7 +79,8 @@ class RingContext:
     def attention_kwargs(self) -> dict:
         """Keyword arguments for ``ring_attention`` describing this batch (the mask by its
         key, so a compiled model guards on an int, not on a new mask object per batch)."""
-        return dict(group=self.group, layout=self.layout, seqlen=self.seqlen,
+        return dict(group=self.group if self.mesh is None else self.mesh, layout=self.layout,
+                    seqlen=self.seqlen,
                     cu_seqlens=self.cu_seqlens, mask=self.mask_key)
 
 
@@ -106,13 +110,14 @@ def shard_batch(batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, extra_
             ``DataCollatorWithFlattening`` makes them) or ``cu_seq_lens_q`` (packed
             documents, flash-attn's offsets), and any tensor named in ``extra_keys``
             (sequence on dim 1).
-        group: the context-parallel group (ProcessGroup, 1-D DeviceMesh or None).
+        group: the context-parallel group (ProcessGroup, 1-D DeviceMesh or None), or the
+            hybrid's 2-D ("ring", "ulysses") DeviceMesh.
         layout: "zigzag" (per document when the batch is packed), "contiguous", "striped".
         extra_keys: more per-token tensors to shard, returned under their own names.
         ignore_index: the label of tokens that have no target.
-        strategy: "ring", "ulysses" or "allgather": how the model's attention layers attend
-            over the shards (``ringattn.ring_attention`` / ``ulysses_attention`` /
-            ``allgather_attention``; the shards are the same for all three).
+        strategy: "auto", "ring", "ulysses", "allgather" or "hybrid" (with the 2-D mesh):
+            how the model's attention layers attend over the shards (``ringattn.attention``;
+            the shards are the same for all of them).
 
     Returns:
         A dict: ``input_ids`` [B, L]; ``position_ids`` [B, L] (global positions, or
@@ -135,7 +140,7 @@ def shard_batch(batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, extra_
             that differ between ranks are caught by ``shard``'s agreement check).
     """
     pg = resolve_group(group)
-    check_strategy(strategy)
+    check_strategy(strategy, group)
     ids = batch.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise ValueError("batch['input_ids'] must be a [B, S] tensor")
@@ -182,7 +187,8 @@ def shard_batch(batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, extra_
             mask = key_padding(lengths)  # right padding: equal lengths reuse one plan
         else:
             mask = key_mask(real_keys)  # value-keyed too: equal padding reuses one plan
-    local["ring_context"] = RingContext(pg, layout, s, cu, mask, left, strategy)
+    local["ring_context"] = RingContext(pg, layout, s, cu, mask, left, strategy,
+                                        group if is_hybrid_mesh(group) else None)
     return local
 
 

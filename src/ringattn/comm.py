@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["HYBRID_DIMS", "RingComm", "LocalComm", "Hop", "agree", "all_gather_single",
-           "group_by_name", "is_hybrid_mesh", "mesh_groups", "metadata_device",
+           "group_by_name", "hybrid_mesh", "is_hybrid_mesh", "mesh_groups", "metadata_device",
            "reduce_scatter_single", "resolve_group"]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns);
@@ -39,12 +39,19 @@ HYBRID_DIMS = ("ring", "ulysses")
 ring_rank * U + ulysses_rank (its global rank, for a mesh over the whole world)."""
 
 
-def _device_mesh_type():
+def _import_device_mesh():
     try:
         from torch.distributed.device_mesh import DeviceMesh
     except ImportError:  # torch builds without distributed support have no DeviceMesh
         return None
     return DeviceMesh
+
+
+_DEVICE_MESH = _import_device_mesh()
+
+
+def _device_mesh_type():
+    return _DEVICE_MESH
 
 
 def resolve_group(group) -> dist.ProcessGroup:
@@ -90,6 +97,26 @@ def mesh_groups(mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup, dist.Proces
     # (the world group when the mesh covers the world) and is used here and nowhere else
     return (mesh._flatten().get_group(), mesh["ring"].get_group(),
             mesh["ulysses"].get_group())
+
+
+def hybrid_mesh(group=None, ulysses: int = 8):
+    """The hybrid's DeviceMesh over the ranks of ``group`` (None: the world): consecutive
+    runs of ``ulysses`` ranks (one node's, under torchrun with that many processes per
+    node) form the "ulysses" dimension, the "ring" dimension goes across them. Every rank
+    of the group calls it (it makes the mesh's process groups).
+
+    Raises:
+        ValueError: ``ulysses`` is not a divisor of the group's size.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    pg = resolve_group(group)
+    world = dist.get_world_size(pg)
+    if not isinstance(ulysses, int) or isinstance(ulysses, bool) or ulysses < 1 or world % ulysses:
+        raise ValueError(f"ulysses must be a divisor of the group's {world} ranks, got {ulysses!r}")
+    ranks = torch.tensor([dist.get_global_rank(pg, r) for r in range(world)])
+    device = "cuda" if "nccl" in str(dist.get_backend(pg)) else "cpu"
+    return DeviceMesh(device, ranks.view(world // ulysses, ulysses), mesh_dim_names=HYBRID_DIMS)
 
 
 def group_by_name(name: str) -> dist.ProcessGroup:

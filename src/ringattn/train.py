@@ -43,9 +43,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from .api import STRATEGIES, check_strategy
+from .api import STRATEGY_CHOICES, check_strategy
 from .batch import all_reduce_metrics, shard_batch
-from .comm import resolve_group
+from .comm import hybrid_mesh, resolve_group
 from .integrations import transformers as ra_hf
 from .layouts import LAYOUTS
 from .sharding import positions
@@ -86,7 +86,11 @@ class TrainConfig:
     """Token placement on the ranks: "contiguous", "zigzag" or "striped"."""
 
     strategy: str = "ring"
-    """How attention runs over the shards: "ring", "ulysses" or "allgather"."""
+    """How attention runs over the shards: "auto", "ring", "ulysses", "allgather" or
+    "hybrid" (Ulysses over ``ulysses`` ranks within, the ring across)."""
+
+    ulysses: int = 2
+    """With strategy "hybrid": ranks of the Ulysses dimension (divides W)."""
 
     data: str | None = None
     """A local text file trained on as bytes (V = 256); None: the synthetic copy task."""
@@ -138,6 +142,8 @@ class TrainConfig:
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; choose one of {sorted(LAYOUTS)}")
         check_strategy(self.strategy)
+        if not _is_int(self.ulysses, 1):
+            raise ValueError(f"ulysses must be an int >= 1, got {self.ulysses!r}")
         if self.copy_vocab < 2:
             raise ValueError(f"copy_vocab must be >= 2, got {self.copy_vocab!r}")
         if self.heads % self.kv_heads:
@@ -323,6 +329,7 @@ def train(cfg: TrainConfig, *, group=None, attn_implementation: str | None = Non
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, partial(lr_factor, steps=cfg.steps))
+    attn_group = hybrid_mesh(pg, cfg.ulysses) if cp and cfg.strategy == "hybrid" else pg
     pos_L = positions(cfg.seqlen, group=pg, layout=cfg.layout) if cp else torch.arange(cfg.seqlen)
     show = progress and rank == 0
     what = f"ring attention, W={world}" if cp else f"one process ({attn})"
@@ -334,7 +341,7 @@ def train(cfg: TrainConfig, *, group=None, attn_implementation: str | None = Non
         t0 = time.perf_counter()
         batch = {"input_ids": ids_BS, "labels": ids_BS}
         if cp:  # shard_batch shifts the labels on the global sequence and counts them globally
-            local = shard_batch(batch, group=pg, layout=cfg.layout, strategy=cfg.strategy)
+            local = shard_batch(batch, group=attn_group, layout=cfg.layout, strategy=cfg.strategy)
             targets_BL = local["shift_labels"]
         else:
             local = batch
@@ -547,8 +554,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             default=getattr(d, name), help=f"(default {getattr(d, name)})")
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default=d.layout,
                         help=f"token placement on the ranks (default {d.layout})")
-    parser.add_argument("--strategy", choices=sorted(STRATEGIES), default=d.strategy,
+    parser.add_argument("--strategy", choices=STRATEGY_CHOICES, default=d.strategy,
                         help=f"how attention runs over the shards (default {d.strategy})")
+    parser.add_argument("--ulysses", type=int, default=d.ulysses,
+                        help=f"with --strategy hybrid: ranks of the Ulysses dimension "
+                             f"(default {d.ulysses})")
     parser.add_argument("--out", default="train_out",
                         help="output directory for train.json and loss.png (default train_out/)")
     parser.add_argument("--no-progress", dest="progress", action="store_false",
@@ -568,7 +578,7 @@ def run_from_args(args: argparse.Namespace) -> dict:
     Raises:
         ValueError: a bad option, naming it.
     """
-    fields = ("steps", "seqlen", "batch", "layout", "strategy", "data", "copy_vocab", "hidden",
+    fields = ("steps", "seqlen", "batch", "layout", "strategy", "ulysses", "data", "copy_vocab", "hidden",
               "intermediate", "heads", "kv_heads", "layers", "lr", "init_std", "seed",
               "log_every")
     cfg = TrainConfig(**{k: getattr(args, k) for k in fields})

@@ -25,22 +25,24 @@ ARGS = ["--steps", "3", "--seqlen", "37", "--batch", "2", "--no-progress"]
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("strategy", ["ring", "ulysses"])
-def test_torchrun_on_text_equals_one_process(tmp_path, strategy):
+@pytest.mark.parametrize("strategy,world", [("ring", 2), ("ulysses", 2), ("hybrid", 4),
+                                            ("auto", 2)])
+def test_torchrun_on_text_equals_one_process(tmp_path, strategy, world):
+    """--strategy hybrid runs on 4 ranks, a 2 (ring) x 2 (ulysses) mesh."""
     data = tmp_path / "text.txt"
     data.write_bytes(TEXT)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "ringattn.train", "--data", str(data), "--out", str(out), *ARGS,
-           "--strategy", strategy]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(world), "-m", "ringattn.train", "--data", str(data), "--out", str(out), *ARGS,
+           "--strategy", strategy, "--ulysses", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     got = json.loads((out / "train.json").read_text())
-    assert got["world"] == 2 and got["attn"] == "ringattn" and got["config"]["data"] == str(data)
+    assert got["world"] == world and got["attn"] == "ringattn" and got["config"]["data"] == str(data)
     assert got["config"]["strategy"] == strategy
-    assert len(got["peak_rss_mib"]) == 2 and (out / "loss.png").stat().st_size > 10_000
+    assert len(got["peak_rss_mib"]) == world and (out / "loss.png").stat().st_size > 10_000
     cfg = TrainConfig(steps=3, seqlen=37, batch=2, data=str(data))
     want = train(cfg, attn_implementation="eager", progress=False)["loss"]
     for step, (a, b) in enumerate(zip(got["loss"], want, strict=True)):

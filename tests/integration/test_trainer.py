@@ -49,7 +49,7 @@ def runs(tmp_path_factory):
         "cp": _launch([*torchrun, str(WORLD), str(RUN), "--out", str(out / "cp"),
                        "--scenarios", CP_SCENARIOS], out),
         "dp_cp": _launch([*torchrun, "4", str(RUN), "--out", str(out / "dp_cp"),
-                          "--scenarios", "dp_cp"], out),
+                          "--scenarios", "dp_cp,hybrid"], out),
     }
     return out, failures
 
@@ -202,3 +202,13 @@ def test_ulysses_strategy_steps_like_one_process(runs, worst_errors):
     for rank, res in enumerate(per_rank):
         for key in ("loss", "grad_norm", "eval_loss"):
             _assert_close(worst_errors, f"ulysses {key}", res[key], ref[key], rank)
+
+
+@pytest.mark.timeout(600)
+def test_hybrid_strategy_steps_like_one_process(runs, worst_errors):
+    """RingTrainer(strategy="hybrid", ulysses_size=2) on 4 ranks (2 x 2 mesh) logs the
+    one-process losses, gradient norms and eval loss."""
+    ref, per_rank = _results(runs, "hybrid", kind="dp_cp", world=4)
+    for rank, res in enumerate(per_rank):
+        for key in ("loss", "grad_norm", "eval_loss"):
+            _assert_close(worst_errors, f"hybrid {key}", res[key], ref[key], rank)

@@ -24,6 +24,7 @@ Scenarios (``--scenarios``, comma separated):
   against one process with batches of 4 rows: three steps (into the second epoch) with
   no accumulation, then ``evaluate``.
 * ``ulysses``: ``RingTrainer(strategy="ulysses")``: three steps, then ``evaluate``.
+* ``hybrid``: ``RingTrainer(strategy="hybrid", ulysses_size=2)`` on 4 ranks, the same.
 """
 
 import argparse
@@ -75,7 +76,8 @@ def logged(trainer, key, after=0):
     return [h[key] for h in trainer.state.log_history if key in h and h["step"] > after]
 
 
-def make_trainer(ref, out, attn="eager", cp_size=None, strategy="ring", **overrides):
+def make_trainer(ref, out, attn="eager", cp_size=None, strategy="ring", ulysses_size=8,
+                 **overrides):
     from transformers import Trainer, TrainingArguments
 
     from ringattn.integrations.hf_trainer import RingTrainer
@@ -91,7 +93,7 @@ def make_trainer(ref, out, attn="eager", cp_size=None, strategy="ring", **overri
     if ref:  # a plain Trainer in one process: its own data order, loss and logging
         return Trainer(model=tiny_causal_lm("llama", attn), args=targs, **data)
     return RingTrainer(model=tiny_causal_lm("llama", "ringattn"), args=targs, layout="zigzag",
-                       cp_size=cp_size, strategy=strategy, **data)
+                       cp_size=cp_size, strategy=strategy, ulysses_size=ulysses_size, **data)
 
 
 def accumulate(ref, out):
@@ -178,8 +180,19 @@ def ulysses(ref, out):
     return res
 
 
+def hybrid(ref, out):
+    """RingTrainer(strategy="hybrid", ulysses_size=2) on 4 ranks (a 2 x 2 mesh): three
+    steps and an evaluation (the reference: one process, as ``ulysses``'s)."""
+    trainer = make_trainer(ref, out / "hybrid", max_steps=3, strategy="hybrid",
+                           ulysses_size=2)
+    trainer.train()
+    res = {"loss": logged(trainer, "loss"), "grad_norm": logged(trainer, "grad_norm")}
+    res["eval_loss"] = trainer.evaluate()["eval_loss"]
+    return res
+
+
 SCENARIOS = {"accumulate": accumulate, "resume": resume, "bf16": bf16,
-             "parallelism": parallelism, "dp_cp": dp_cp, "ulysses": ulysses}
+             "parallelism": parallelism, "dp_cp": dp_cp, "ulysses": ulysses, "hybrid": hybrid}
 
 
 def main():

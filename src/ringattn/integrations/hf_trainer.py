@@ -81,6 +81,7 @@ from transformers import Trainer
 
 from ..api import check_strategy
 from ..batch import shard_batch
+from ..comm import hybrid_mesh
 from ..layouts import DEFAULT_LAYOUT
 from ..sharding import unshard
 from .transformers import check_model
@@ -99,7 +100,9 @@ class RingTrainer(Trainer):
 
     Arguments (besides Trainer's):
         layout: "zigzag" (per document for packed batches), "contiguous" or "striped".
-        strategy: "ring", "ulysses" or "allgather" (docs/strategies.md).
+        strategy: "auto", "ring", "ulysses", "allgather" or "hybrid" (docs/strategies.md).
+        ulysses_size: with strategy "hybrid", ranks of the Ulysses dimension (consecutive
+            ranks of each CP group; the ring goes across them).
         cp_size: ranks per context-parallel group; None: the whole world. With W ranks and
             ``cp_size`` c, the ranks form a (W / c) x c mesh ("dp", "cp"): each dp replica
             reads its own rows of every global batch of ``per_device_train_batch_size x
@@ -121,7 +124,7 @@ class RingTrainer(Trainer):
     loss_is_scaled_for_ga = True
 
     def __init__(self, *args, layout: str = DEFAULT_LAYOUT, cp_size: int | None = None,
-                 strategy: str = "ring", **kwargs):
+                 strategy: str = "ring", ulysses_size: int = 8, **kwargs):
         super().__init__(*args, **kwargs)
         if not dist.is_initialized():
             raise ValueError("RingTrainer needs torch.distributed initialised: launch it with "
@@ -145,12 +148,14 @@ class RingTrainer(Trainer):
         check_model(self.model)
         self.layout, self.strategy = layout, check_strategy(strategy)
         self.cp_group, self.dp_group, self.dp_rank, self.dp_size = _mesh(cp_size, self.args.device)
+        self.attn_group = (hybrid_mesh(self.cp_group, ulysses_size) if strategy == "hybrid"
+                           else self.cp_group)
 
     def _shard(self, inputs: dict) -> dict:
         """This rank's shard of a batch dict (``shard_batch`` over the whole world;
         non-tensor entries dropped)."""
         batch = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-        return shard_batch(batch, group=self.cp_group, layout=self.layout,
+        return shard_batch(batch, group=self.attn_group, layout=self.layout,
                            strategy=self.strategy)
 
     # ---- data: the same batches on every rank ---------------------------------------

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..api import STRATEGIES
+from ..auto import attention
 from ..batch import shard_batch
 from ..layouts import DEFAULT_LAYOUT
 from ..masks import and_keys, chunked_key
@@ -273,10 +273,9 @@ def ring_attention_forward(module, query, key, value, attention_mask=None, dropo
     kw = ring_context.attention_kwargs()
     if mask is not None:
         kw["mask"] = and_keys(kw["mask"], mask)
-    attend = STRATEGIES[ring_context.strategy]  # the batch's strategy (shard_batch's)
-    out = attend(
+    out = attention(  # the batch's strategy (shard_batch's)
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-        causal=causal, window_size=window, softmax_scale=scaling,
+        strategy=ring_context.strategy, causal=causal, window_size=window, softmax_scale=scaling,
         softcap=float(softcap) if softcap else 0.0, sinks=s_aux, **kw,
     )
     ring_context.record_call()
