@@ -471,9 +471,8 @@ def ulysses_attention(
     overlapped). sinks' gradient on each rank covers its own heads; sum it over the group.
     """
     _not_compiling("ulysses_attention")
-    pg = resolve_group(group)
-    return _split_heads_attention(
-        q, k, v, _Topology.ulysses(pg), causal=causal, window_size=window_size,
+    return split_heads_attention(
+        q, k, v, group=group, strategy="ulysses", causal=causal, window_size=window_size,
         softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask,
         cu_seqlens=cu_seqlens, kernel=kernel, return_lse=return_lse, softcap=softcap,
         sinks=sinks, alibi_slopes=alibi_slopes, backward_overlap="all")
@@ -518,13 +517,8 @@ def hybrid_attention(
     its own heads and queries; sum it over the mesh.
     """
     _not_compiling("hybrid_attention")
-    if not is_hybrid_mesh(group):
-        what = (f"a {group.ndim}-D DeviceMesh" if hasattr(group, "ndim")
-                else type(group).__name__)
-        raise TypeError(f"hybrid_attention takes group= a 2-D DeviceMesh with "
-                        f"mesh_dim_names={HYBRID_DIMS}, got {what}")
-    return _split_heads_attention(
-        q, k, v, _Topology.hybrid(group), causal=causal, window_size=window_size,
+    return split_heads_attention(
+        q, k, v, group=group, strategy="hybrid", causal=causal, window_size=window_size,
         softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask,
         cu_seqlens=cu_seqlens, kernel=kernel, return_lse=return_lse, softcap=softcap,
         sinks=sinks, alibi_slopes=alibi_slopes, backward_overlap=backward_overlap)
@@ -561,15 +555,21 @@ class _Topology:
 
 
 def _split_heads_attention(q, k, v, topo: _Topology, *, return_lse, sinks, backward_overlap,
-                           **args):
+                           extra_kv=(), core=None, extra_fields=(), extra_check=None, **args):
     """Ulysses over ``topo.uly`` (~H/U heads of the U members' shards on each rank), the ring
     over ``topo.ring`` on those unions, and back (see ``ulysses_attention`` and
-    ``hybrid_attention``)."""
+    ``hybrid_attention``).
+
+    ``extra_kv`` are more [B, L, Hkv, E] tensors sent with K/V (Eagle3's cached keys), and
+    ``core(ring, q, k, v, extra_kv, sinks)`` -> (out, lse or None) replaces the attention
+    on the gathered heads (default: ``_RingAttention``); ``extra_fields``/``extra_check``
+    as ``build_ring``'s."""
     q, k, v = autocast_inputs(q, k, v)
 
-    def grads():  # which inputs need a gradient decides which reverse all-to-alls run
+    def check():  # which inputs need a gradient decides which reverse all-to-alls run
         wants = [bool(getattr(t, "requires_grad", False)) for t in (q, k, v, sinks)]
-        return (sum(int(w) << i for i, w in enumerate(wants)),)
+        own = () if extra_check is None else tuple(extra_check())
+        return (sum(int(w) << i for i, w in enumerate(wants)), *own)
 
     mine = {}  # this rank's heads and the ring's spec and plan for them
 
@@ -583,27 +583,33 @@ def _split_heads_attention(q, k, v, topo: _Topology, *, return_lse, sinks, backw
         return plan
 
     _, _, checked, last = _agreed(
-        q, k, v, topo.flat, ("grads",), grads, planner=planner, return_lse=return_lse,
-        strategy="hybrid" if topo.mesh else "ulysses",
+        q, k, v, topo.flat, ("grads", *extra_fields), check, planner=planner,
+        return_lse=return_lse, strategy="hybrid" if topo.mesh else "ulysses",
         sinks=sinks, backward_overlap=backward_overlap, **args)
     b, h, s = q.shape[0], q.shape[2], checked.spec.seqlen
     split, lo, hi, lay = mine["split"], mine["lo"], mine["hi"], mine["layout"]
     if topo.U > 1:
         ex_q, ex_kv = (Exchange(topo.uly, topo.u, topo.U, heads, lay, topo.r, topo.R, s)
                        for heads in (split.q_heads, split.kv_heads))
-        q_f, k_f, v_f = seq_to_heads((ex_q, ex_kv, ex_kv), q, k, v)  # [B, U*L, heads_u, D]
+        # [B, U*L, heads_u, D] each
+        q_f, k_f, v_f, *extra_f = seq_to_heads((ex_q, *[ex_kv] * (2 + len(extra_kv))),
+                                               q, k, v, *extra_kv)
     else:
-        q_f, k_f, v_f = q, k, v
+        q_f, k_f, v_f, extra_f = q, k, v, list(extra_kv)
     with _no_autocast(q.device.type):
         if hi > lo:
             comm = LocalComm() if topo.R == 1 else RingComm(topo.ring)
             ring = Ring(comm, mine["spec"], checked.plan, checked.kernel,
                         last + 1 if topo.R > 1 else 1, backward_overlap, lay)
-            out_f, lse_f = _RingAttention.apply(
-                *unit_stride(q_f, k_f, v_f), None if sinks is None else sinks[lo:hi], ring,
-                bool(return_lse))
+            heads_sinks = None if sinks is None else sinks[lo:hi]
+            q_f, k_f, v_f, *extra_f = unit_stride(q_f, k_f, v_f, *extra_f)
+            if core is None:
+                out_f, lse_f = _RingAttention.apply(q_f, k_f, v_f, heads_sinks, ring,
+                                                    bool(return_lse))
+            else:
+                out_f, lse_f = core(ring, q_f, k_f, v_f, extra_f, heads_sinks)
         else:  # no head here; still part of the autograd graph, so backward's collectives run
-            zero = (q_f.sum() + k_f.sum() + v_f.sum()) * 0
+            zero = sum(t.sum() for t in (q_f, k_f, v_f, *extra_f)) * 0
             out_f = q_f.new_zeros(b, q_f.shape[1], 0, v.shape[3]) + zero.to(q.dtype)
             lse_f = zero.new_zeros(b, 0, q_f.shape[1], dtype=accumulator_dtype(q.dtype)) + zero
     if topo.U == 1:
@@ -612,6 +618,22 @@ def _split_heads_attention(q, k, v, topo: _Topology, *, return_lse, sinks, backw
         return heads_to_seq(ex_q, h, out_f)[0]
     out, lse_BLH1 = heads_to_seq(ex_q, h, out_f, lse_f.transpose(1, 2).unsqueeze(-1))
     return out, lse_BLH1.squeeze(-1).transpose(1, 2)
+
+
+def split_heads_attention(q, k, v, *, group, strategy: str, **kwargs):
+    """Ulysses (``strategy="ulysses"``, ``group`` a group) or the hybrid (``"hybrid"``,
+    ``group`` its 2-D mesh) with ``_split_heads_attention``'s hooks, for attention
+    variants built on them (Eagle3's TTT)."""
+    if strategy == "hybrid":
+        if not is_hybrid_mesh(group):
+            what = (f"a {group.ndim}-D DeviceMesh" if hasattr(group, "ndim")
+                    else type(group).__name__)
+            raise TypeError(f"strategy='hybrid' takes group= a 2-D DeviceMesh with "
+                            f"mesh_dim_names={HYBRID_DIMS}, got {what}")
+        topo = _Topology.hybrid(group)
+    else:
+        topo = _Topology.ulysses(resolve_group(group))
+    return _split_heads_attention(q, k, v, topo, **kwargs)
 
 
 def allgather_attention(

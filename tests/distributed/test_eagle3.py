@@ -65,9 +65,15 @@ def _data(case, dtype):
     return q, ks, vs, do
 
 
-def run_ttt(layout, picked, dtype_name):
-    """Rank side: {case: {tensor: (err, tol, max_abs)}} for out, dq and every dk_t, dv_t."""
+def run_ttt(layout, picked, dtype_name, strategy="ring", mesh_shape=None):
+    """Rank side: {case: {tensor: (err, tol, max_abs)}} for out, dq and every dk_t, dv_t
+    (with ``strategy``; the hybrid on a (ring, ulysses) mesh of ``mesh_shape``)."""
     dtype = getattr(torch, dtype_name)
+    group = None
+    if mesh_shape is not None:
+        from test_hybrid import mesh
+
+        group = mesh(*mesh_shape)
     results = {}
     for case in picked:
         q, ks, vs, do = _data(case, dtype)
@@ -86,7 +92,7 @@ def run_ttt(layout, picked, dtype_name):
         vx = [t.clone().requires_grad_() for t in vs]
         out_l = ra.eagle3.ttt_attention(
             ra.shard(qx, **kw), [ra.shard(t, **kw) for t in kx], [ra.shard(t, **kw) for t in vx],
-            valid_len=case.valid_len, **kw)
+            valid_len=case.valid_len, strategy=strategy, group=group, **kw)
         assert out_l.dtype == dtype
         (ra.unshard(out_l, **kw) * do).sum().backward()
         pos = ra.positions(case.seqlen, layout=layout)
@@ -171,3 +177,26 @@ def test_library_ttt_mask_matches_the_definition():
                 want = ttt_visible(s, steps, valid, 2)[:, 0]
                 got = ra.eagle3.ttt_mask(s, steps - 1, valid)
                 assert torch.equal(got.expand_as(want), want), (s, steps, valid)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ttt_attention_ulysses_fp32_exact(clusters, worst_errors, world, layout):
+    """Under Ulysses every key set goes to head shards with q (H=4 over W=3: uneven heads;
+    MQA at W=4: the one kv head replicated), the diagonal stays beside its queries."""
+    per_rank = clusters(world).run(run_ttt, layout, tcases(world), "float32", "ulysses",
+                                   timeout=200)
+    check(per_rank, "float32", {})
+    check(_summarise(per_rank), "float32", worst_errors)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("shape,layout", [((2, 2), "zigzag"), ((2, 3), "striped"),
+                                          ((3, 2), "contiguous")])
+def test_ttt_attention_hybrid_fp32_exact(clusters, worst_errors, shape, layout):
+    world = shape[0] * shape[1]
+    per_rank = clusters(world).run(run_ttt, layout, tcases(world), "float32", "hybrid", shape,
+                                   timeout=200)
+    check(per_rank, "float32", {})
+    check(_summarise(per_rank), "float32", worst_errors)

@@ -151,7 +151,7 @@ def test_hybrid_errors_on_every_rank(clusters):
     per_rank = clusters(4).run(hybrid_errors, timeout=100)
     assert all(r == per_rank[0] for r in per_rank), per_rank
     (c0, m0), (c1, m1), (c2, m2), (c3, m3), (c4, m4), (c5, m5) = per_rank[0]
-    assert c0 == "TypeError" and "2-D DeviceMesh" in m0, m0
+    assert c0 == "TypeError" and "2-D DeviceMesh" in m0 and "NoneType" in m0, m0
     assert c1 == "ValueError" and "('ring', 'ulysses')" in m1 and "('dp', 'cp')" in m1, m1
     assert c2 == "ValueError" and "seqlen=16" in m2, m2
     assert c3 == "ValueError" and "causal" in m3 and "rank 3" in m3, m3

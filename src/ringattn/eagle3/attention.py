@@ -25,7 +25,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..api import build_ring, unit_stride
+from ..api import build_ring, split_heads_attention, unit_stride
 from ..comm import resolve_group
 from ..masks import key_padding
 from ..ring import Ring, ring_backward, ring_forward
@@ -162,9 +162,12 @@ def _valid_len_tuple(valid_len):
     raise TypeError(f"valid_len must be a list of ints or a 1-D integer tensor, got {valid_len!r}")
 
 
+TTT_STRATEGIES = ("ring", "ulysses", "hybrid")
+
+
 def ttt_attention(q, keys, values, *, group=None, layout: str = "zigzag",
                   seqlen: int | None = None, softmax_scale: float | None = None,
-                  valid_len=None, kernel=None):
+                  valid_len=None, kernel=None, strategy: str = "ring"):
     """Eagle3 TTT attention of one draft step over a sequence sharded across ``group``.
 
     Arguments:
@@ -178,11 +181,16 @@ def ttt_attention(q, keys, values, *, group=None, layout: str = "zigzag",
         valid_len: [B] ints: row b's real tokens are [0, valid_len[b]) (right padding);
             the step-0 keys past it are masked for every query. None: no padding.
         kernel: the local block kernel for the step-0 ring (see ``ring_attention``).
+        strategy: "ring"; "ulysses" (q and every key set go to head shards by all-to-all:
+            each rank then holds the whole sequence for its heads, the diagonal keys still
+            beside their queries); "hybrid" (``group`` the (ring, ulysses) mesh: Ulysses
+            within, the step-0 ring across).
 
     Returns:
         out [B, S_local, H, D] in q's dtype. Differentiable in q and every key and value.
-        The diagonal keys cost no communication: the collectives are those of one causal
-        ring over the step-0 keys, whatever the step.
+        With the ring, the diagonal keys cost no communication: the collectives are those
+        of one causal ring over the step-0 keys, whatever the step. Under Ulysses they
+        travel in the all-to-alls like the step-0 keys.
 
     Raises:
         TypeError, ValueError: bad input or ranks that disagree (on shapes, options, the
@@ -204,8 +212,23 @@ def ttt_attention(q, keys, values, *, group=None, layout: str = "zigzag",
             s = q.shape[1] * dist.get_world_size(resolve_group(group))
         return _check_keys(q, keys, values, lengths, s)
 
+    if strategy not in TTT_STRATEGIES:
+        raise ValueError(f"ttt_attention's strategy must be one of {TTT_STRATEGIES}, got "
+                         f"{strategy!r}")
     first_k = keys[0] if isinstance(keys, (list, tuple)) and keys else keys
     first_v = values[0] if isinstance(values, (list, tuple)) and values else values
+    if strategy != "ring":
+        def core(ring, q_f, k_f, v_f, cached_f, _sinks):
+            return _TTTAttention.apply(ring, q_f, k_f, v_f, *cached_f), None
+
+        lists = isinstance(keys, (list, tuple)) and isinstance(values, (list, tuple))
+        cached = (*keys[1:], *values[1:]) if lists else ()  # (checked in the agreement)
+        return split_heads_attention(
+            q, first_k, first_v, group=group, strategy=strategy, causal=True,
+            window_size=(-1, -1), softmax_scale=softmax_scale, layout=layout, seqlen=seqlen,
+            mask=mask, cu_seqlens=None, return_lse=False, kernel=kernel,
+            backward_overlap="all", softcap=0.0, sinks=None, alibi_slopes=None,
+            extra_kv=cached, core=core, extra_fields=("ttt_key_sets",), extra_check=check)
     ring = build_ring(
         q, first_k, first_v, group=group, causal=True, window_size=(-1, -1),
         softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask, cu_seqlens=None,
