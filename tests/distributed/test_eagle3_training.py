@@ -31,12 +31,17 @@ def _models(cfg):
     return cp_target, one_target, draft, copy.deepcopy(draft)
 
 
-def run_step_vs_one_process(layout, seqlen, ttt_steps):
-    """Rank side: relative differences of the CP step from the one-process dense step."""
+def run_step_vs_one_process(layout, seqlen, ttt_steps, strategy="ring", mesh_shape=None):
+    """Rank side: relative differences of the CP step from the one-process dense step
+    (target and draft attention by ``strategy``; the hybrid on a mesh of ``mesh_shape``)."""
     cfg = small_config(seqlen=seqlen, ttt_steps=ttt_steps, layout=layout)
     cp_target, one_target, draft, draft_one = _models(cfg)
     batch = next(make_batches(cfg))
     group = dist.group.WORLD
+    if mesh_shape is not None:
+        from test_hybrid import mesh
+
+        group = mesh(*mesh_shape)
     saved = []
 
     def pack(t):  # record the shape of every tensor kept for the backward
@@ -44,8 +49,8 @@ def run_step_vs_one_process(layout, seqlen, ttt_steps):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        res = eagle3_step(draft, run_target(cp_target, batch, group=group, layout=layout),
-                          steps=ttt_steps)
+        res = eagle3_step(draft, run_target(cp_target, batch, group=group, layout=layout,
+                                            strategy=strategy), steps=ttt_steps)
     res.loss.backward()
     total = res.loss.detach().clone()
     dist.all_reduce(total)
@@ -84,6 +89,20 @@ def test_draft_step_equals_one_process(clusters, worst_errors, world, layout):
                 bad.append(f"rank {rank} {name}: {err:.2e}")
         if layout != "striped" and world == 3:  # B * L = 44 < S (linears flatten B and L)
             assert biggest < seqlen, f"rank {rank} saved a tensor with a dimension of {biggest}"
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy,world,shape", [("ulysses", 2, None), ("ulysses", 3, None),
+                                                  ("hybrid", 4, (2, 2))])
+def test_draft_step_equals_one_process_under_ulysses(clusters, worst_errors, strategy, world,
+                                                     shape):
+    """The target and the draft's TTT attention by Ulysses (and the 2x2 hybrid): the same
+    per-step losses, accuracies and gradients as one process."""
+    per_rank = clusters(world).run(run_step_vs_one_process, "zigzag", 61, 7, strategy, shape,
+                                   timeout=280)
+    bad = [f"rank {rank} {name}: {err:.2e}" for rank, (errs, _, _) in enumerate(per_rank)
+           for name, err in errs.items() if not err <= FP32_TOL]
     assert not bad, "\n".join(bad)
 
 

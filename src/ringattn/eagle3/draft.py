@@ -136,7 +136,9 @@ class TargetOutputs:
     seqlen: int
     layout: str
     group: object
-    """The CP group (None: one process)."""
+    """The CP group (None: one process), or the hybrid's (ring, ulysses) DeviceMesh."""
+    strategy: str = "ring"
+    """How the draft's TTT attention runs (``ttt_attention``'s ``strategy``)."""
 
 
 def _valid_len(attention_mask):
@@ -161,7 +163,7 @@ def _loss_mask(batch: dict) -> torch.Tensor:
 
 @torch.no_grad()
 def run_target(target, batch: dict, *, group=None, layout: str = "zigzag",
-               aux_layers=None) -> TargetOutputs:
+               aux_layers=None, strategy: str = "ring") -> TargetOutputs:
     """Run the target on a global batch (the same on every CP rank) and keep this rank's
     share of what the draft needs. Under CP the target runs context-parallel through the
     transformers integration (``attn_implementation="ringattn"``); alone, as it is.
@@ -170,6 +172,8 @@ def run_target(target, batch: dict, *, group=None, layout: str = "zigzag",
         batch: ``input_ids`` [B, S]; optional ``attention_mask`` [B, S] (right padding) and
             ``loss_mask`` [B, S] (default: the attention mask, or all ones).
         aux_layers: three decoder-layer indices; default ``aux_layer_ids``.
+        strategy: "ring", "ulysses" or "hybrid" (``group`` the hybrid's mesh), for the
+            target's attention and the draft's.
     """
     from ..batch import shard_batch
 
@@ -185,7 +189,7 @@ def run_target(target, batch: dict, *, group=None, layout: str = "zigzag",
         pos = torch.arange(s, device=ids.device).expand(b, s)
     else:
         local = shard_batch({"input_ids": ids, "attention_mask": batch.get("attention_mask")},
-                            group=group, layout=layout)
+                            group=group, layout=layout, strategy=strategy)
         out = target(input_ids=local["input_ids"], position_ids=local["position_ids"],
                      ring_context=local["ring_context"], output_hidden_states=True)
         local["ring_context"].check_consumed(target)
@@ -194,7 +198,7 @@ def run_target(target, batch: dict, *, group=None, layout: str = "zigzag",
         pos = positions(s, group=group, layout=layout, device=ids.device).expand(b, -1)
     aux = torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1)
     layout = layout if group is not None else "contiguous"  # one process: no shard padding
-    return TargetOutputs(aux, out.logits, local_ids, lm, pos, valid, s, layout, group)
+    return TargetOutputs(aux, out.logits, local_ids, lm, pos, valid, s, layout, group, strategy)
 
 
 def shard_target_outputs(batch: dict, *, group=None, layout: str = "zigzag") -> TargetOutputs:
@@ -306,7 +310,8 @@ def eagle3_step(draft: Eagle3Draft, tgt: TargetOutputs, *, steps: int = 7,
     else:
         def attend(q, keys, values):
             return ttt_attention(q, keys, values, group=tgt.group, layout=tgt.layout,
-                                 seqlen=tgt.seqlen, valid_len=tgt.valid_len)
+                                 seqlen=tgt.seqlen, valid_len=tgt.valid_len,
+                                 strategy=tgt.strategy)
     hidden = draft.fc(tgt.aux_hidden.to(draft.fc.weight.dtype))
     cache: tuple[list, list] = ([], [])
     total = hidden.new_zeros(())
