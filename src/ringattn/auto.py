@@ -207,7 +207,7 @@ def estimate(shape: CallShape, cost: CostModel) -> dict[str, Estimate]:
     hop_f = flat.time(kv_shard)
     hop_b = flat.time(kv_shard + b * n * hkv * (d + dv) * 4)
     comp, tot = _ring_time(pairs, per_pair * h, cost.flops, hop_f, hop_b, bwd)
-    res["ring"] = Estimate("ring", comp, tot - comp, tot)
+    res["ring"] = Estimate("ring", comp, max(tot - comp, 0.0), tot)
     split = head_split(h, hkv, w)
     kv_sent = sum(len(x) for x in split.kv_heads) / hkv  # kv heads sent, in shards
     members = u_dim if mesh else w
@@ -234,7 +234,7 @@ def estimate(shape: CallShape, cost: CostModel) -> dict[str, Estimate]:
         hop_f = cost.across.time(kv_ring * e)
         hop_b = cost.across.time(kv_ring * (e + 4))
         comp, tot = _ring_time(gpairs, per_pair * most, cost.flops, hop_f, hop_b, bwd)
-        res["hybrid"] = Estimate("hybrid", comp, tot - comp + comm, tot + comm)
+        res["hybrid"] = Estimate("hybrid", comp, max(tot - comp, 0.0) + comm, tot + comm)
     return res
 
 

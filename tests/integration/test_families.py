@@ -115,7 +115,7 @@ EXPECTED = {
     "doge": REFUSED,
     # never call AttentionInterface: their own attention would ignore the ring context
     "bloom": REFUSED,
-    "codegen": REFUSED,
+    "codegen": EXACT,  # transformers >= 5.24 calls the attention interface
     "xglm": REFUSED,
     "mpt": REFUSED,
     "stablelm": REFUSED,  # and its decoder layer does not pass **kwargs to self_attn
@@ -123,7 +123,7 @@ EXPECTED = {
     # them with "ringattn" raises KeyError inside transformers): check_model(cls, config),
     # called before building, refuses them
     "falcon": REFUSED,
-    "gptj": REFUSED,
+    "gptj": EXACT,  # transformers >= 5.24 calls the attention interface
     "gpt_neo": REFUSED,
     # the decoder layer does not pass **kwargs to self_attn: ring_context never arrives
     "nemotron": REFUSED,

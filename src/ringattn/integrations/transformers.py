@@ -105,7 +105,7 @@ def check_model(model, config=None) -> None:
 
     Arguments:
         model: a transformers model, or a model CLASS (to check before building it: some
-            classes, such as Falcon's, GPT-J's and GPT-Neo's, fail inside transformers'
+            classes, such as Falcon's and GPT-Neo's, fail inside transformers'
             constructor with a bare KeyError when asked for a registered attention name).
         config: the config to check with a class (a model's own config otherwise).
 
