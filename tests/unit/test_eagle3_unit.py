@@ -42,9 +42,14 @@ def test_draft_vocabulary_is_the_most_frequent_ids_lower_first_on_ties():
 
 
 def test_aux_layers_follow_eagle3_and_stay_inside_the_model():
-    assert aux_layer_ids(32) == (1, 15, 28)
-    assert aux_layer_ids(4) == (1, 1, 0)
-    assert aux_layer_ids(1) == (0, 0, 0)
+    assert aux_layer_ids(32) == (1, 15, 28)  # SpecForge's default
+    assert aux_layer_ids(7) == (1, 2, 3)
+    for n in range(3, 40):  # strictly increasing, inside the model, whatever n
+        ids = aux_layer_ids(n)
+        assert 0 <= ids[0] < ids[1] < ids[2] < n, (n, ids)
+    assert aux_layer_ids(4) == (0, 2, 3)  # not (1, 1, 0), which no server reproduces
+    with pytest.raises(ValueError, match="three distinct"):
+        aux_layer_ids(2)
 
 
 def test_left_padding_and_missing_tensors_are_refused():

@@ -38,9 +38,21 @@ __all__ = ["Eagle3Draft", "TargetOutputs", "StepResult", "aux_layer_ids", "draft
 
 
 def aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE3's auxiliary layers (low, middle, high): 1, n // 2 - 1, n - 4, clipped to the
-    model (as indices of ``output_hidden_states``' decoder layers, 0-based)."""
-    return tuple(min(max(i, 0), num_layers - 1) for i in (1, num_layers // 2 - 1, num_layers - 4))
+    """EAGLE3's auxiliary layers (low, middle, high), as 0-based decoder-layer indices whose
+    OUTPUT the draft reads (``output_hidden_states[i + 1]``): SpecForge's default
+    (1, n // 2 - 1, n - 4) where those are strictly increasing (n >= 7); for smaller
+    targets (0, n // 2, n - 1), so that every id is distinct and a server can reproduce
+    the choice.
+
+    Raises:
+        ValueError: fewer than 3 layers (three distinct layers are needed).
+    """
+    if not isinstance(num_layers, int) or num_layers < 3:
+        raise ValueError(f"Eagle3 reads three distinct target layers; got num_layers={num_layers!r}")
+    ids = (1, num_layers // 2 - 1, num_layers - 4)
+    if not ids[0] < ids[1] < ids[2]:
+        ids = (0, num_layers // 2, num_layers - 1)
+    return ids
 
 
 def draft_vocabulary(token_ids: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
@@ -62,10 +74,17 @@ class Eagle3Draft(nn.Module):
             rms_norm_eps, rope parameters); ``vocab_size`` is the TARGET's vocabulary.
         target_hidden_size: width of each of the target's three auxiliary hidden states.
         draft_ids: [Vd] sorted target ids of the draft vocabulary.
+        aux_layers: the target's three auxiliary layers (``aux_layer_ids``), kept for
+            export; None: not known yet.
     """
 
-    def __init__(self, config, target_hidden_size: int, draft_ids: torch.Tensor):
+    def __init__(self, config, target_hidden_size: int, draft_ids: torch.Tensor,
+                 aux_layers: tuple[int, int, int] | None = None):
         super().__init__()
+        self.config = config
+        self.target_hidden_size = target_hidden_size
+        self.aux_layers = None if aux_layers is None else tuple(int(i) for i in aux_layers)
+        """The target layers whose outputs feed ``fc`` (0-based, see ``aux_layer_ids``)."""
         from transformers.models.llama.modeling_llama import (
             LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
         )

@@ -27,7 +27,7 @@ from ..comm import metadata_device, resolve_group
 from ..integrations import transformers as ra_hf
 from ..layouts import LAYOUTS, local_positions
 from ..train import leave_together, peak_rss_mib, plot_curves, spawn
-from .draft import Eagle3Draft, draft_vocabulary, eagle3_step, run_target
+from .draft import Eagle3Draft, aux_layer_ids, draft_vocabulary, eagle3_step, run_target
 
 __all__ = ["Eagle3Config", "build_target", "build_draft", "make_batches", "train_step",
            "train_eagle3", "spawn_eagle3", "shard_ranges"]
@@ -107,7 +107,8 @@ def build_draft(cfg: Eagle3Config, target, draft_ids: torch.Tensor) -> Eagle3Dra
     config.initializer_range = 0.02
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed + 7)
-        draft = Eagle3Draft(config, cfg.hidden, draft_ids).float()
+        draft = Eagle3Draft(config, cfg.hidden, draft_ids,
+                            aux_layer_ids(config.num_hidden_layers)).float()
         for name, p in draft.named_parameters():
             if p.dim() == 2 and name != "embed_tokens.weight":
                 torch.nn.init.normal_(p, std=0.02)
