@@ -298,9 +298,93 @@ def test_training_step_collective_counts(clusters, world):
         assert counts["target"] == {"all_gather_single": layers + 3,
                                     "batch_isend_irecv": layers * (world - 1)}, (rank, counts)
         # draft: per TTT step one agreement and W - 1 hops; one all_to_all per shifted tensor
-        # (teacher, its top token, in-vocabulary flags, loss mask, ids), 2 more to set up the
+        # (teacher, its top token, in-vocabulary flags, loss mask with real-token flags, ids),
+        # 2 more to set up the
         # Lookahead; one all-reduce of the metrics. Backward: 2W - 1 hops per TTT step.
         per_step = {"all_gather_single": t, "batch_isend_irecv": t * (world - 1), "all_reduce": 1}
         assert counts["draft forward, first"] == {**per_step, "all_to_all_single": 7}, (rank, counts)
         assert counts["draft forward"] == {**per_step, "all_to_all_single": 5}, (rank, counts)
         assert counts["draft backward"] == {"batch_isend_irecv": t * (2 * world - 1)}, (rank, counts)
+
+
+DOCS = (23, 17, 21)  # packed into S = 61 (divides neither 2W nor W for W in 2, 3)
+
+
+def _packed_batch(cfg):
+    """One packed row of three documents (their own loss masks: no loss on each one's first
+    4 tokens) and the documents as rows of their own."""
+    gen = torch.Generator().manual_seed(5)
+    docs = [torch.randint(cfg.vocab, (1, n), generator=gen) for n in DOCS]
+    masks = [torch.ones_like(d) for d in docs]
+    for m in masks:
+        m[:, :4] = 0
+    cu = [0]
+    for n in DOCS:
+        cu.append(cu[-1] + n)
+    packed = {"input_ids": torch.cat(docs, 1), "loss_mask": torch.cat(masks, 1), "cu_seqlens": cu}
+    alone = [{"input_ids": d, "loss_mask": m} for d, m in zip(docs, masks)]
+    return packed, alone
+
+
+def _unscaled(res, b, s):
+    """(loss, correct, counted) sums per TTT step, the loss no longer divided by B * S."""
+    sums = res.sums.clone()
+    sums[0] *= b * s
+    return sums
+
+
+def run_packed(layout, strategy):
+    """Rank side: per-TTT-step sums of the packed row under CP, in one process, and of the
+    documents run one by one in one process (float64 [3, T] each), and the CP gradients'
+    distance from the one-process packed step."""
+    cfg = small_config(seqlen=sum(DOCS), layout=layout)
+    cp_target, one_target, draft, draft_one = _models(cfg)
+    packed, alone = _packed_batch(cfg)
+    res = eagle3_step(draft, run_target(cp_target, packed, group=dist.group.WORLD, layout=layout,
+                                        strategy=strategy), steps=cfg.ttt_steps)
+    res.loss.backward()
+    one = eagle3_step(draft_one, run_target(one_target, packed), steps=cfg.ttt_steps)
+    one.loss.backward()
+    errs = {}
+    for n, p in draft_one.named_parameters():
+        if p.requires_grad:
+            g = dict(draft.named_parameters())[n].grad.clone()
+            dist.all_reduce(g)
+            errs[n] = rel_err(g.double(), p.grad.double())
+    s = sum(DOCS)
+    separate = sum(_unscaled(eagle3_step(draft_one, run_target(one_target, doc),
+                                         steps=cfg.ttt_steps), 1, doc["input_ids"].shape[1])
+                   for doc in alone)
+    return _unscaled(res, 1, s), _unscaled(one, 1, s), separate, errs
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world,layout,strategy", [(2, "zigzag", "ring"), (3, "striped", "ring"),
+                                                   (3, "contiguous", "ring"),
+                                                   (2, "zigzag", "ulysses")])
+def test_packed_documents_equal_the_documents_one_by_one(clusters, world, layout, strategy):
+    """Three documents packed into one row (cu_seqlens): under CP and in one process, every
+    TTT step's loss sum, correct and counted tokens equal those of the documents run one by
+    one; the CP gradients equal the one-process packed step's."""
+    for rank, (cp, one, separate, errs) in enumerate(
+            clusters(world).run(run_packed, layout, strategy, timeout=280)):
+        assert torch.equal(one[1:], separate[1:]) and torch.equal(cp[1:], one[1:]), (rank, cp, one, separate)
+        assert float((one[0] - separate[0]).abs().max()) <= FP32_TOL * float(separate[0].abs().max())
+        assert float((cp[0] - one[0]).abs().max()) <= FP32_TOL * float(one[0].abs().max())
+        assert all(e <= FP32_TOL for e in errs.values()), (rank, errs)
+        assert float(separate[2].sum()) > 0
+
+
+def test_padded_row_last_token_is_not_trained_against_padding():
+    """A right-padded row: no TTT step counts a token whose teacher (position i + 1 + j) is
+    padding or past the end; every other loss token counts."""
+    cfg = small_config(pad=9)
+    target = build_target(cfg, "sdpa")
+    draft = build_draft(cfg, target, torch.arange(0, cfg.vocab, 2)[: cfg.draft_vocab])
+    batch = next(make_batches(cfg))
+    res = eagle3_step(draft, run_target(target, batch), steps=cfg.ttt_steps)
+    keep, lm = batch["attention_mask"].bool(), batch["loss_mask"].bool()
+    s = cfg.seqlen
+    for j in range(cfg.ttt_steps):  # counted: loss at i + j and a real teacher at i + 1 + j
+        want = (lm[:, j:s - 1] & keep[:, j + 1:]).sum()
+        assert int(res.sums[2, j]) == int(want), (j, res.sums[2, j], want)

@@ -5,7 +5,8 @@ T number of key sets (TTT step j uses T = j + 1: the step-0 keys and j cached on
 
 At TTT step j (0-based) the draft query at index i sees
 
-* the step-0 keys of indices i' <= i (causal over the whole sequence; right padding masked);
+* the step-0 keys of indices i' <= i (causal over the whole sequence, or within i's document
+  for packed sequences; right padding masked);
 * the keys of steps 1..j at the SAME index i (the cached "diagonal");
 
 with one softmax over all of them. Written out, over the keys [k_0; k_1; ...; k_j] (each S
@@ -167,7 +168,7 @@ TTT_STRATEGIES = ("ring", "ulysses", "hybrid")
 
 def ttt_attention(q, keys, values, *, group=None, layout: str = "zigzag",
                   seqlen: int | None = None, softmax_scale: float | None = None,
-                  valid_len=None, kernel=None, strategy: str = "ring"):
+                  valid_len=None, kernel=None, strategy: str = "ring", cu_seqlens=None):
     """Eagle3 TTT attention of one draft step over a sequence sharded across ``group``.
 
     Arguments:
@@ -180,6 +181,9 @@ def ttt_attention(q, keys, values, *, group=None, layout: str = "zigzag",
         softmax_scale: default 1 / sqrt(D).
         valid_len: [B] ints: row b's real tokens are [0, valid_len[b]) (right padding);
             the step-0 keys past it are masked for every query. None: no padding.
+        cu_seqlens: packed documents (flash-attn's offsets, B = 1 rows or rows packed
+            alike): step-0 keys are seen only within a query's document; the shards are
+            per-document zigzag for layout "zigzag" (``ra.shard(..., cu_seqlens=...)``).
         kernel: the local block kernel for the step-0 ring (see ``ring_attention``).
         strategy: "ring"; "ulysses" (q and every key set go to head shards by all-to-all:
             each rank then holds the whole sequence for its heads, the diagonal keys still
@@ -226,12 +230,13 @@ def ttt_attention(q, keys, values, *, group=None, layout: str = "zigzag",
         return split_heads_attention(
             q, first_k, first_v, group=group, strategy=strategy, causal=True,
             window_size=(-1, -1), softmax_scale=softmax_scale, layout=layout, seqlen=seqlen,
-            mask=mask, cu_seqlens=None, return_lse=False, kernel=kernel,
+            mask=mask, cu_seqlens=cu_seqlens, return_lse=False, kernel=kernel,
             backward_overlap="all", softcap=0.0, sinks=None, alibi_slopes=None,
             extra_kv=cached, core=core, extra_fields=("ttt_key_sets",), extra_check=check)
     ring = build_ring(
         q, first_k, first_v, group=group, causal=True, window_size=(-1, -1),
-        softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask, cu_seqlens=None,
+        softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask,
+        cu_seqlens=cu_seqlens,
         return_lse=False, kernel=kernel, backward_overlap="all",
         extra_fields=("ttt_key_sets",), extra_check=check,
     )
@@ -247,14 +252,18 @@ def ttt_attention(q, keys, values, *, group=None, layout: str = "zigzag",
 # ---------------------------------------------------------------------------------------
 
 
-def ttt_mask(seqlen: int, step: int, valid_len=None, device=None) -> torch.Tensor:
+def ttt_mask(seqlen: int, step: int, valid_len=None, device=None,
+             cu_seqlens=None) -> torch.Tensor:
     """The TTT mask of step ``step`` written out: [B or 1, S, (step + 1) * S] bool.
 
-    Query i sees key column c = t * S + i' iff (t = 0 and i' <= i and i' < valid_len[b])
-    or (1 <= t <= step and i' = i).
+    Query i sees key column c = t * S + i' iff (t = 0 and i' <= i and i' < valid_len[b]
+    and i' is in i's document) or (1 <= t <= step and i' = i).
     """
     i = torch.arange(seqlen, device=device)
     causal = i[None, :] <= i[:, None]
+    if cu_seqlens is not None:
+        doc = torch.bucketize(i, torch.as_tensor(list(cu_seqlens), device=device), right=True)
+        causal = causal & (doc[None, :] == doc[:, None])
     if valid_len is not None:
         lengths = torch.as_tensor(list(_valid_len_tuple(valid_len)), device=device)
         causal = causal[None] & (i[None, None, :] < lengths[:, None, None])
@@ -281,14 +290,14 @@ def modelopt_ttt_mask(seqlen: int, step: int, device=None) -> torch.Tensor:
 
 
 def dense_ttt_attention(q, keys, values, *, softmax_scale: float | None = None,
-                        valid_len=None):
+                        valid_len=None, cu_seqlens=None):
     """Single-device TTT attention through the written-out mask (what SpecForge's and
     ModelOpt's sdpa paths compute; O(S^2) memory). Same arguments and result as
     ``ttt_attention`` on unsharded tensors; rows that see no key give 0."""
     b, s, h, d = q.shape
     hkv = keys[0].shape[2]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
-    ok = ttt_mask(s, len(keys) - 1, valid_len, q.device)[:, None]  # [B|1, 1, S, T*S]
+    ok = ttt_mask(s, len(keys) - 1, valid_len, q.device, cu_seqlens)[:, None]  # [B|1,1,S,T*S]
     k = torch.cat(list(keys), dim=1).transpose(1, 2).repeat_interleave(h // hkv, dim=1)
     v = torch.cat(list(values), dim=1).transpose(1, 2).repeat_interleave(h // hkv, dim=1)
     scores = (q.transpose(1, 2) @ k.transpose(-1, -2)) * scale

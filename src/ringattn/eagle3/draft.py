@@ -12,8 +12,11 @@ draft vocabulary) map between the two, as in EAGLE's checkpoints.
 
 The training step (``eagle3_step``), with SpecForge's alignment: at step j the draft at
 index i reads token i + 1 + j, is taught by the target's distribution at position i + 1 + j
-restricted to the draft vocabulary, and counts where loss_mask[i + j] is set and the
-target's top token is in the draft vocabulary. Step j's loss is the soft cross-entropy
+restricted to the draft vocabulary, and counts where loss_mask[i + j] is set, position
+i + 1 + j is a real token of the same document (SpecForge also trains a right-padded row's
+last real token against the target's logits at the first padding position; that teacher
+is not a prediction of anything, so it is not trained on here) and the target's top
+token is in the draft vocabulary. Step j's loss is the soft cross-entropy
 summed over those tokens / (B * S); the total weighs step j by ``decay ** j``. Under CP
 every shift reads across shard boundaries through ``Lookahead``, RoPE uses global positions
 + j, and the attention is ``ttt_attention``; without CP it is ``dense_ttt_attention``.
@@ -29,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import resolve_group
+from ..masks import check_cu_seqlens
 from ..sharding import positions, shard
 from .attention import dense_ttt_attention, ttt_attention
 from .shift import Lookahead
@@ -158,6 +162,11 @@ class TargetOutputs:
     """The CP group (None: one process), or the hybrid's (ring, ulysses) DeviceMesh."""
     strategy: str = "ring"
     """How the draft's TTT attention runs (``ttt_attention``'s ``strategy``)."""
+    valid_mask: torch.Tensor | None = None
+    """[B, L] bool: real tokens (not right padding, not the shards' padding slots); None:
+    every slot below S."""
+    cu_seqlens: tuple[int, ...] | None = None
+    """Packed documents of the (B = 1) rows: flash-attn's offsets over the global S."""
 
 
 def _valid_len(attention_mask):
@@ -200,24 +209,67 @@ def run_target(target, batch: dict, *, group=None, layout: str = "zigzag",
     b, s = ids.shape
     valid = _valid_len(batch.get("attention_mask"))
     loss_mask = _loss_mask(batch)
-    layers = aux_layers or aux_layer_ids(target.config.num_hidden_layers)
+    cu = _documents(batch, b, s)
+    keep = _real_tokens(batch)
+    layers = aux_layers or getattr(target, "eagle3_aux_layers", None) \
+        or aux_layer_ids(target.config.num_hidden_layers)
     if group is None:
-        out = target(input_ids=ids, attention_mask=batch.get("attention_mask"),
-                     output_hidden_states=True)
-        local_ids, lm = ids, loss_mask
-        pos = torch.arange(s, device=ids.device).expand(b, s)
+        pos = _rope_positions(cu, b, s, ids.device)
+        # packed: no attention mask and restarting positions, from which transformers
+        # builds its document mask (use_cache=False: it does so only without a cache)
+        out = target(input_ids=ids, position_ids=pos, output_hidden_states=True,
+                     attention_mask=None if cu is not None else batch.get("attention_mask"),
+                     use_cache=False)
+        local_ids, lm, local_keep = ids, loss_mask, keep
     else:
-        local = shard_batch({"input_ids": ids, "attention_mask": batch.get("attention_mask")},
-                            group=group, layout=layout, strategy=strategy)
+        sharded = {"input_ids": ids, "attention_mask": batch.get("attention_mask")}
+        if cu is not None:
+            sharded["cu_seqlens"] = cu
+        local = shard_batch(sharded, group=group, layout=layout, strategy=strategy)
         out = target(input_ids=local["input_ids"], position_ids=local["position_ids"],
                      ring_context=local["ring_context"], output_hidden_states=True)
         local["ring_context"].check_consumed(target)
         local_ids = local["input_ids"]
-        lm = shard(loss_mask, group=group, layout=layout, seqlen=s)
-        pos = positions(s, group=group, layout=layout, device=ids.device).expand(b, -1)
+        kw = dict(group=group, layout=layout, seqlen=s, cu_seqlens=cu)
+        # global positions (padding slots >= S), or positions inside each packed document
+        pos = (positions(s, group=group, layout=layout, device=ids.device).expand(b, -1)
+               if cu is None else local["position_ids"])
+        both = shard(torch.stack([loss_mask.to(keep.dtype), keep], -1), **kw)  # one agreement
+        lm, local_keep = both[..., 0].to(loss_mask.dtype), both[..., 1]
     aux = torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1)
     layout = layout if group is not None else "contiguous"  # one process: no shard padding
-    return TargetOutputs(aux, out.logits, local_ids, lm, pos, valid, s, layout, group, strategy)
+    return TargetOutputs(aux, out.logits, local_ids, lm, pos, valid, s, layout, group, strategy,
+                         local_keep.to(torch.bool), cu)
+
+
+def _documents(batch: dict, b: int, s: int):
+    """The batch's packed documents (``cu_seqlens``: flash-attn's offsets over S), or None.
+
+    Raises:
+        ValueError: bad offsets, or documents with B > 1.
+    """
+    cu = batch.get("cu_seqlens")
+    if cu is None:
+        return None
+    cu = check_cu_seqlens(cu, s)
+    if b != 1:
+        raise ValueError(f"packed documents (cu_seqlens) need B = 1 rows, got B={b}")
+    return cu
+
+
+def _real_tokens(batch: dict) -> torch.Tensor:
+    """[B, S] 1 for real tokens (the attention mask; all ones without one)."""
+    keep = batch.get("attention_mask")
+    return torch.ones_like(batch["input_ids"]) if keep is None else keep
+
+
+def _rope_positions(cu, b: int, s: int, device) -> torch.Tensor:
+    """[B, S] positions: 0..S-1, or restarting at every packed document."""
+    pos = torch.arange(s, device=device)
+    if cu is not None:
+        starts = torch.tensor(cu[:-1], device=device)
+        pos = pos - starts[torch.bucketize(pos, starts, right=True) - 1]
+    return pos.expand(b, s)
 
 
 def shard_target_outputs(batch: dict, *, group=None, layout: str = "zigzag") -> TargetOutputs:
@@ -227,7 +279,8 @@ def shard_target_outputs(batch: dict, *, group=None, layout: str = "zigzag") -> 
         batch: global tensors, the same on every CP rank: ``input_ids`` [B, S],
             ``aux_hidden`` [B, S, 3 H_target] (the three auxiliary hidden states,
             concatenated), ``logits`` [B, S, V] (the target's), optional ``attention_mask``
-            (right padding) and ``loss_mask`` [B, S].
+            (right padding), ``loss_mask`` [B, S] and ``cu_seqlens`` (packed documents,
+            B = 1).
         group: the CP group (None: one process keeps everything).
         layout: how to shard (any S).
 
@@ -245,17 +298,22 @@ def shard_target_outputs(batch: dict, *, group=None, layout: str = "zigzag") -> 
         if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape[:2]) != (b, s)):
             raise ValueError(f"batch[{key!r}] must be a tensor of shape [B={b}, S={s}, ...]")
     valid = _valid_len(batch.get("attention_mask"))
-    loss_mask = _loss_mask(batch)
+    cu = _documents(batch, b, s)
     parts = {k: batch[k] for k in ("input_ids", "aux_hidden", "logits")}
-    parts["loss_mask"] = loss_mask
+    parts["loss_mask"] = _loss_mask(batch)
+    parts["keep"] = _real_tokens(batch)
     if group is None:
-        pos = torch.arange(s, device=ids.device).expand(b, s)
-        return TargetOutputs(parts["aux_hidden"], parts["logits"], ids, loss_mask, pos, valid,
-                             s, "contiguous", None)
-    local = {k: shard(v, group=group, layout=layout, seqlen=s) for k, v in parts.items()}
-    pos = positions(s, group=group, layout=layout, device=ids.device).expand(b, -1)
+        pos = _rope_positions(cu, b, s, ids.device)
+        return TargetOutputs(parts["aux_hidden"], parts["logits"], ids, parts["loss_mask"], pos,
+                             valid, s, "contiguous", None, "ring", parts["keep"].to(torch.bool),
+                             cu)
+    kw = dict(group=group, layout=layout, seqlen=s, cu_seqlens=cu)
+    local = {k: shard(v, **kw) for k, v in parts.items()}
+    where = positions(s, group=group, layout=layout, cu_seqlens=cu, device=ids.device)
+    pos = (where if cu is None else where[1]).expand(b, -1)
     return TargetOutputs(local["aux_hidden"], local["logits"], local["input_ids"],
-                         local["loss_mask"], pos, valid, s, layout, group)
+                         local["loss_mask"], pos, valid, s, layout, group, "ring",
+                         local["keep"].to(torch.bool), cu)
 
 
 @dataclass
@@ -297,9 +355,11 @@ class _SoftCrossEntropy(torch.autograd.Function):
 
 
 @lru_cache(maxsize=8)
-def _lookahead(group, layout: str, seqlen: int, width: int) -> Lookahead:
-    """One ``Lookahead`` per (group, layout, S, width): its set-up exchange runs once."""
-    return Lookahead(group=group, layout=layout, seqlen=seqlen, width=width)
+def _lookahead(group, layout: str, seqlen: int, width: int, cu_seqlens=None) -> Lookahead:
+    """One ``Lookahead`` per (group, layout, S, width, documents): its set-up exchange runs
+    once."""
+    return Lookahead(group=group, layout=layout, seqlen=seqlen, width=width,
+                     cu_seqlens=cu_seqlens)
 
 
 def eagle3_step(draft: Eagle3Draft, tgt: TargetOutputs, *, steps: int = 7,
@@ -314,23 +374,29 @@ def eagle3_step(draft: Eagle3Draft, tgt: TargetOutputs, *, steps: int = 7,
     if not isinstance(steps, int) or not 1 <= steps <= 64:
         raise ValueError(f"steps must be an int in [1, 64], got {steps!r}")
     b = tgt.input_ids.shape[0]
-    ahead = _lookahead(tgt.group, tgt.layout, tgt.seqlen, steps)
+    ahead = _lookahead(tgt.group, tgt.layout, tgt.seqlen, steps, tgt.cu_seqlens)
     draft_ids = draft.draft_ids
     teacher = torch.softmax(tgt.logits[..., draft_ids].float(), dim=-1)  # [B, L, Vd]
     in_vocab = draft.t2d[tgt.logits.argmax(-1)]
     ext_teacher = ahead.extend(teacher)
     ext_top = ahead.extend(teacher.argmax(-1))  # the teacher's top draft token (accuracy)
     ext_in_vocab = ahead.extend(in_vocab, False)
-    ext_loss_mask = ahead.extend(tgt.loss_mask.to(torch.bool), False)
+    real = tgt.valid_mask
+    if real is None:
+        real = (tgt.position_ids < tgt.seqlen) if tgt.cu_seqlens is None else \
+            torch.ones_like(tgt.loss_mask, dtype=torch.bool)
+    # the loss mask and the real-token flags travel together: [B, L, 2]
+    ext_flags = ahead.extend(torch.stack([tgt.loss_mask.to(torch.bool), real], -1), False)
     ext_ids = ahead.extend(tgt.input_ids)
     if tgt.group is None:
         def attend(q, keys, values):
-            return dense_ttt_attention(q, keys, values, valid_len=tgt.valid_len)
+            return dense_ttt_attention(q, keys, values, valid_len=tgt.valid_len,
+                                       cu_seqlens=tgt.cu_seqlens)
     else:
         def attend(q, keys, values):
             return ttt_attention(q, keys, values, group=tgt.group, layout=tgt.layout,
                                  seqlen=tgt.seqlen, valid_len=tgt.valid_len,
-                                 strategy=tgt.strategy)
+                                 strategy=tgt.strategy, cu_seqlens=tgt.cu_seqlens)
     hidden = draft.fc(tgt.aux_hidden.to(draft.fc.weight.dtype))
     cache: tuple[list, list] = ([], [])
     total = hidden.new_zeros(())
@@ -339,7 +405,9 @@ def eagle3_step(draft: Eagle3Draft, tgt: TargetOutputs, *, steps: int = 7,
         embeds = draft.embed_tokens(ahead.take(ext_ids, 1 + j)).to(hidden.dtype)
         hidden = draft.layer(embeds, hidden, tgt.position_ids + j, cache, attend)
         logits = draft.logits(hidden).float()
-        counted = ahead.take(ext_loss_mask, j)
+        # a token counts where it has a loss and its teacher (position i + 1 + j) is a real
+        # token of its document: not right padding, not past the end
+        counted = ahead.take(ext_flags, j)[..., 0] & ahead.take(ext_flags, 1 + j)[..., 1]
         active = ahead.take(ext_in_vocab, 1 + j) & counted
         loss = _SoftCrossEntropy.apply(logits, active, 1.0 / (b * tgt.seqlen), ahead,
                                        ext_teacher, 1 + j)

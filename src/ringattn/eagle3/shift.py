@@ -2,7 +2,9 @@
 
 Legend: B batch, L local seq, S global seq, W world size, R rows received.
 
-Eagle3's step j at index i reads the input token and the teacher of position i + 1 + j. On
+Eagle3's step j at index i reads the input token and the teacher of position i + 1 + j. With
+packed documents (``cu_seqlens``) a document's end is an end of the sequence: no row is read
+across it. On
 a shard the last positions of every segment (zigzag chunk, contiguous block, or every token
 of a striped shard) need rows that live on other ranks. ``Lookahead`` works out once which
 rows those are, receives them in one ``all_to_all`` per tensor (each rank gets exactly the
@@ -17,6 +19,7 @@ import torch.distributed as dist
 
 from ..comm import metadata_device, resolve_group
 from ..layouts import get_layout, local_positions
+from ..masks import check_cu_seqlens
 
 __all__ = ["Lookahead"]
 
@@ -39,25 +42,32 @@ class Lookahead:
         group: the context-parallel group, or None for one process holding everything.
         layout, seqlen: how the sequence was sharded (as for ``ringattn.shard``).
         width: the largest shift that will be asked for.
+        cu_seqlens: packed documents (flash-attn's offsets; the shards' layout is then
+            per-document); a shift never leaves its document (``fill`` instead).
 
     ``extend(x, fill)`` receives the rows of a [B, L, ...] tensor that this rank lacks (one
     all_to_all); ``take(ext, k)`` then returns [B, L, ...] whose slot for position p holds
     x's row for p + k (``fill`` past the end of the sequence and on padding slots).
     """
 
-    def __init__(self, *, group, layout: str, seqlen: int, width: int):
+    def __init__(self, *, group, layout: str, seqlen: int, width: int, cu_seqlens=None):
         if not isinstance(width, int) or width < 0:
             raise ValueError(f"width must be an int >= 0, got {width!r}")
         self.group = None if group is None else resolve_group(group)
         world = 1 if self.group is None else dist.get_world_size(self.group)
         rank = 0 if self.group is None else dist.get_rank(self.group)
-        lay = get_layout(layout)
+        cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, seqlen)
+        lay = get_layout(layout, cu)
+        # the end of each position's document (S without documents): shifts stop there
+        bounds = torch.tensor(cu if cu is not None else (0, seqlen))
         self.world, self.width = world, width
         pos = local_positions(lay, rank, world, seqlen)  # increasing, padding slots >= S
         self.local_len = pos.numel()
         real = pos[pos < seqlen]
-        ahead = (real[:, None] + torch.arange(1, width + 1)).flatten()
-        ahead = torch.unique(ahead[ahead < seqlen])
+        end = bounds[torch.bucketize(pos.clamp(max=seqlen - 1), bounds, right=True)]
+        end = torch.where(pos < seqlen, end, seqlen)  # [L] end of each slot's document
+        ahead = (real[:, None] + torch.arange(1, width + 1))
+        ahead = torch.unique(ahead[ahead < end[pos < seqlen][:, None]])
         need = ahead[~torch.isin(ahead, pos)]
         owner = _owners(lay, world, lay.padded_len(seqlen, world), need)
         order = torch.argsort(owner, stable=True)
@@ -84,7 +94,7 @@ class Lookahead:
             q = pos + k
             at = torch.searchsorted(sorted_keys, q).clamp(max=keys.numel() - 1)
             src = idx[at]
-            found = (pos < seqlen) & (q < seqlen) & (sorted_keys[at] == q)
+            found = (pos < seqlen) & (q < end) & (sorted_keys[at] == q)
             remote = found & (src >= n_local)
             self._local.append(torch.where(found & ~remote, src, 0))
             self._remote.append((torch.nonzero(remote).flatten(), src[remote] - n_local))

@@ -168,7 +168,7 @@ def _draft_ids(cfg: Eagle3Config, target, group):
     """The draft vocabulary: the target's most frequent top tokens on the first batch."""
     first = next(make_batches(Eagle3Config(**{**asdict(cfg), "steps": 1}), replica=0))
     tgt = run_target(target, first, group=group, layout=cfg.layout)
-    top = tgt.logits.argmax(-1)[tgt.position_ids < cfg.seqlen]  # not the shards' padding
+    top = tgt.logits.argmax(-1)[tgt.valid_mask]  # real tokens (not the shards' padding)
     counts = torch.bincount(top, minlength=cfg.vocab)
     if group is not None:
         dist.all_reduce(counts, group=group)
