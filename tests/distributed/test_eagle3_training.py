@@ -388,3 +388,39 @@ def test_padded_row_last_token_is_not_trained_against_padding():
     for j in range(cfg.ttt_steps):  # counted: loss at i + j and a real teacher at i + 1 + j
         want = (lm[:, j:s - 1] & keep[:, j + 1:]).sum()
         assert int(res.sums[2, j]) == int(want), (j, res.sums[2, j], want)
+
+
+def run_resume(out):
+    """Rank side: a 6-step run saving at step 3, then a fresh run resumed from that
+    checkpoint: (uninterrupted losses, resumed losses, max parameter difference)."""
+    cfg = small_config(steps=6, save_every=3, warmup=2, accumulate=2, layout="zigzag")
+    full = train_eagle3(cfg, group=dist.group.WORLD, progress=False, out_dir=out, keep_draft=True)
+    dist.barrier()  # rank 0 has written the checkpoints
+    again = train_eagle3(cfg, group=dist.group.WORLD, progress=False,
+                         resume=f"{out}/checkpoint-3", keep_draft=True)
+    diff = max(float((a.double() - b.double()).abs().max()) for a, b in
+               zip(full["draft"].state_dict().values(), again["draft"].state_dict().values()))
+    return full["loss"], again["loss"], full["lr"], again["lr"], diff
+
+
+@pytest.mark.timeout(300)
+def test_resume_equals_the_uninterrupted_run(clusters, tmp_path):
+    """On 2 CP ranks (warm-up, cosine, clipping, 2 batches per step): resuming at step 3
+    from the checkpoint gives the uninterrupted run's losses, learning rates and final
+    parameters (the same arithmetic in the same order: equal, not just close)."""
+    for rank, (full, again, lr_full, lr_again, diff) in enumerate(
+            clusters(2).run(run_resume, str(tmp_path), timeout=280)):
+        assert len(full) == len(again) == 6
+        assert again[:3] == full[:3] and lr_again == lr_full, rank  # history from the file
+        assert again[3:] == full[3:], (rank, full, again)
+        assert diff == 0.0, (rank, diff)
+
+
+def test_checkpoint_of_another_configuration_is_refused(tmp_path):
+    cfg = small_config(steps=1)
+    train_eagle3(cfg, progress=False, out_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="another configuration: lr="):
+        train_eagle3(small_config(steps=2, lr=1e-3), progress=False,
+                     resume=str(tmp_path / "checkpoint-last"))
+    with pytest.raises(ValueError, match="no Eagle3 checkpoint"):
+        train_eagle3(cfg, progress=False, resume=str(tmp_path / "nowhere"))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -31,6 +32,9 @@ from .draft import Eagle3Draft, aux_layer_ids, draft_vocabulary, eagle3_step, ru
 
 __all__ = ["Eagle3Config", "build_target", "build_draft", "make_batches", "train_step",
            "train_eagle3", "spawn_eagle3", "shard_ranges"]
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,21 @@ class Eagle3Config:
     distribution then peaks (about 0.8) on a token determined mostly by the current one, a
     teacher a draft learns in tens of steps (at 1.0 the distributions are nearly uniform)."""
     lr: float = 3e-3
+    """Peak AdamW learning rate."""
+    warmup: int = 0
+    """Optimizer steps of linear warm-up to ``lr``; then cosine decay to ``min_lr_ratio``."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule ends at this fraction of ``lr``."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (over every rank's share) to this; 0: no clipping."""
+    accumulate: int = 1
+    """Batches per optimizer step (gradient accumulation)."""
+    dtype: str = "float32"
+    """"float32", or "bfloat16": the target and the draft's compute in bf16 (autocast), the
+    draft's master weights, gradients, reductions and optimizer in fp32."""
+    save_every: int = 0
+    """Save a checkpoint (resumable state and the exported draft) every this many optimizer
+    steps, and at the end (0: only at the end; needs ``out_dir``)."""
     layout: str = "zigzag"
     dp: int = 1
     """Data-parallel replicas; the world is dp x cp."""
@@ -68,10 +87,20 @@ class Eagle3Config:
 
     def __post_init__(self):
         for name in ("seqlen", "batch", "steps", "ttt_steps", "vocab", "draft_vocab", "hidden",
-                     "heads", "kv_heads", "intermediate", "target_layers", "dp"):
+                     "heads", "kv_heads", "intermediate", "target_layers", "dp", "accumulate"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        for name in ("warmup", "save_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio!r}")
+        if not self.grad_clip >= 0:
+            raise ValueError(f"grad_clip must be >= 0, got {self.grad_clip!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {self.layout!r}")
         if not 0 <= self.pad < self.seqlen:
@@ -117,12 +146,12 @@ def build_draft(cfg: Eagle3Config, target, draft_ids: torch.Tensor) -> Eagle3Dra
 
 
 def make_batches(cfg: Eagle3Config, replica: int | None = 0):
-    """Yield ``cfg.steps`` global batches for DP replica ``replica`` (the same on its CP
+    """Yield ``cfg.steps * cfg.accumulate`` global batches for DP replica ``replica`` (the same on its CP
     ranks; None: all replicas' rows, for one process): ``input_ids`` [B, S],
     ``attention_mask`` (each replica's last row right padded by ``pad``) and ``loss_mask``
     (a prompt of 8 tokens is not trained on, nor is padding)."""
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + 17)
-    for _ in range(cfg.steps):
+    for _ in range(cfg.steps * cfg.accumulate):
         ids = torch.randint(cfg.vocab, (cfg.dp, cfg.batch, cfg.seqlen), generator=gen)
         keep = torch.ones_like(ids)
         keep[:, -1, cfg.seqlen - cfg.pad:] = 0
@@ -176,22 +205,49 @@ def _draft_ids(cfg: Eagle3Config, target, group):
                             cfg.vocab, cfg.draft_vocab)
 
 
-def train_step(target, draft: Eagle3Draft, opt, batch: dict, cfg: Eagle3Config, *,
-               cp_group=None, dp_group=None) -> torch.Tensor:
-    """One optimizer step on one batch: the target under CP, the TTT unroll, the backward,
-    the draft's gradients summed over the CP shares (one all-reduce) and averaged over the
-    DP replicas (one more, with ``dp_group``), AdamW.
+def lr_factor(step: int, cfg: Eagle3Config) -> float:
+    """The learning-rate multiplier of optimizer step ``step`` (0-based): linear warm-up over
+    ``cfg.warmup`` steps, then cosine decay from 1 to ``cfg.min_lr_ratio`` at the last step."""
+    if step < cfg.warmup:
+        return (step + 1) / cfg.warmup
+    span = max(cfg.steps - cfg.warmup - 1, 1)
+    t = min((step - cfg.warmup) / span, 1.0)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def make_optimizer(draft: Eagle3Draft, cfg: Eagle3Config):
+    """(AdamW over the draft's trainable parameters, its warm-up + cosine scheduler)."""
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr,
+                            weight_decay=0.0)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, cfg))
+
+
+def train_step(target, draft: Eagle3Draft, opt, batch, cfg: Eagle3Config, *,
+               cp_group=None, dp_group=None, scheduler=None) -> torch.Tensor:
+    """One optimizer step: for each batch (a dict, or a list of ``cfg.accumulate`` dicts)
+    the target under CP, the TTT unroll and its backward; then the draft's gradients summed
+    over the CP shares (one all-reduce) and averaged over the DP replicas (one more, with
+    ``dp_group``), clipped to ``cfg.grad_clip`` globally, AdamW, the scheduler.
+
+    With ``cfg.dtype`` bfloat16 the unroll computes under CPU/CUDA autocast; parameters,
+    gradients and reductions stay fp32.
 
     Returns:
-        [3, T] float64 (loss, correct, counted) sums of every TTT step over CP and DP (the
-        loss sums are each replica's mean; divide by the number of replicas).
+        [3, T] float64 (loss, correct, counted) sums of every TTT step over CP and DP and
+        the accumulated batches (each loss sum is a batch's replica mean; divide by
+        replicas x batches).
     """
+    batches = batch if isinstance(batch, list) else [batch]
     params = [p for p in draft.parameters() if p.requires_grad]
-    tgt = run_target(target, batch, group=cp_group, layout=cfg.layout)
-    res = eagle3_step(draft, tgt, steps=cfg.ttt_steps, decay=cfg.decay)
     opt.zero_grad(set_to_none=False)
-    res.loss.backward()
-    sums = res.sums
+    sums = None
+    for one in batches:
+        tgt = run_target(target, one, group=cp_group, layout=cfg.layout)
+        dev = tgt.aux_hidden.device.type
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
+            res = eagle3_step(draft, tgt, steps=cfg.ttt_steps, decay=cfg.decay)
+        (res.loss / len(batches)).backward()
+        sums = res.sums if sums is None else sums + res.sums
     if cp_group is not None:
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         dist.all_reduce(flat, group=cp_group)  # each rank holds its share's gradient
@@ -206,24 +262,76 @@ def train_step(target, draft: Eagle3Draft, opt, batch: dict, cfg: Eagle3Config, 
             reduced = sums.to(metadata_device(dp_group))
             dist.all_reduce(reduced, group=dp_group)
             sums = reduced.cpu()
+    if cfg.grad_clip:  # the same global norm on every rank: the gradients are reduced
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
     opt.step()
+    if scheduler is not None:
+        scheduler.step()
     return sums
 
 
+CHECKPOINT = "state.pt"
+"""A checkpoint directory's resumable state (``save_checkpoint``)."""
+
+
+def save_checkpoint(path: str, draft: Eagle3Draft, opt, scheduler, step: int,
+                    cfg: Eagle3Config, history: dict) -> None:
+    """Write ``path``/state.pt: the draft, optimizer, scheduler, the optimizer steps done (the
+    data position: batches are a function of the step), torch's RNG state, the config and
+    the curves so far. Rank 0 writes; every rank holds the same draft."""
+    os.makedirs(path, exist_ok=True)
+    state = {"draft": draft.state_dict(), "optimizer": opt.state_dict(),
+             "scheduler": scheduler.state_dict(), "step": step, "rng": torch.get_rng_state(),
+             "config": asdict(cfg), "history": history}
+    tmp = os.path.join(path, CHECKPOINT + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, os.path.join(path, CHECKPOINT))  # a crash mid-write keeps the old one
+
+
+def load_checkpoint(path: str, draft: Eagle3Draft, opt, scheduler, cfg: Eagle3Config) -> tuple[int, dict]:
+    """Restore what ``save_checkpoint`` wrote into ``draft``, ``opt`` and ``scheduler``;
+    return (optimizer steps done, curves so far).
+
+    Raises:
+        ValueError: no checkpoint there, or one written with another configuration (other
+            than the number of steps and the save interval).
+    """
+    file = os.path.join(path, CHECKPOINT)
+    if not os.path.isfile(file):
+        raise ValueError(f"no Eagle3 checkpoint at {path!r} (expected {CHECKPOINT} there)")
+    state = torch.load(file, map_location="cpu", weights_only=False)
+    ours, theirs = asdict(cfg), state["config"]
+    differ = sorted(k for k in ours if k not in ("steps", "save_every") and ours[k] != theirs.get(k))
+    if differ:
+        raise ValueError(f"checkpoint {path!r} was written with another configuration: "
+                         + ", ".join(f"{k}={theirs.get(k)!r} (now {ours[k]!r})" for k in differ))
+    draft.load_state_dict(state["draft"])
+    opt.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
+    return int(state["step"]), state["history"]
+
+
 def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
-                 out_dir: str | None = None, log_every: int = 10) -> dict:
+                 out_dir: str | None = None, log_every: int = 10,
+                 resume: str | None = None, keep_draft: bool = False) -> dict:
     """Train the draft; with a group (the whole world, split dp x cp), under CP.
 
     Rank 0 prints every rank's shard ranges at start, shows a tqdm bar, and (with
     ``progress``) a line of per-TTT-step losses and accuracies every ``log_every`` steps;
-    with ``out_dir`` it writes ``eagle3.json``, ``eagle3.png`` (per-TTT-step loss) and
-    ``eagle3_accuracy.png``.
+    with ``out_dir`` it writes ``eagle3.json``, ``eagle3.png`` (per-TTT-step loss),
+    ``eagle3_accuracy.png``, checkpoints ``checkpoint-<step>/`` every ``cfg.save_every``
+    steps and ``checkpoint-last/`` at the end (each resumable, ``save_checkpoint``).
+    ``resume``: a checkpoint directory to continue from (the same configuration; the run
+    then gives the losses and parameters of one that was never stopped).
 
     Returns:
         dict (the same on every rank): ``config``, ``world``, ``cp``, ``dp``, per-step
-        ``loss`` (the weighted total), per-TTT-step lists ``step_loss[j]`` and
-        ``step_accuracy[j]`` over the optimizer steps, ``shard_ranges`` (per CP rank),
-        ``tokens_per_s_mean``, ``seconds``, ``peak_rss_mib`` (per rank).
+        ``loss`` (the weighted total) and ``lr``, per-TTT-step lists ``step_loss[j]`` and
+        ``step_accuracy[j]`` over the optimizer steps (including those before ``resume``),
+        ``shard_ranges`` (per CP rank), ``tokens_per_s_mean``, ``seconds``,
+        ``peak_rss_mib`` (per rank); with ``keep_draft``, ``draft`` (the trained
+        ``Eagle3Draft``; the rest of the dict is JSON).
     """
     from tqdm.auto import tqdm
 
@@ -238,8 +346,12 @@ def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
         cp_group, dp_group, dp_rank, cp_rank, cp = _mesh(cfg.dp)
         target = build_target(cfg, ra_hf.NAME)
     draft = build_draft(cfg, target, _draft_ids(cfg, target, cp_group))
-    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr,
-                            weight_decay=0.0)
+    opt, scheduler = make_optimizer(draft, cfg)
+    history = {"loss": [], "lr": [], "step_loss": [[] for _ in range(cfg.ttt_steps)],
+               "step_accuracy": [[] for _ in range(cfg.ttt_steps)]}
+    start = 0
+    if resume is not None:
+        start, history = load_checkpoint(resume, draft, opt, scheduler, cfg)
     # every rank reports the positions it holds; rank 0 prints them in rank order
     mine = (dp_rank, cp_rank, shard_ranges(cfg.seqlen, cfg.layout, cp_rank, cp))
     reports = [mine]
@@ -252,34 +364,44 @@ def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
         for r, (d, c, runs) in enumerate(reports):
             print(f"rank {r} (dp {d}, cp {c}) holds {_describe_ranges(runs)} "
                   f"of S={cfg.seqlen}", flush=True)
-    losses, step_loss, step_acc, rates = [], [[] for _ in range(cfg.ttt_steps)], \
-        [[] for _ in range(cfg.ttt_steps)], []
+    rates = []
     t_start = time.perf_counter()
     replicas = 1 if group is None else cfg.dp  # one process takes every replica's rows
-    bar = tqdm(make_batches(cfg, None if group is None else dp_rank), total=cfg.steps,
-               disable=not show,
+    batches = make_batches(cfg, None if group is None else dp_rank)
+    for _ in range(start * cfg.accumulate):  # the data position: batches follow the step
+        next(batches)
+    weights = torch.tensor([cfg.decay ** j for j in range(cfg.ttt_steps)], dtype=torch.float64)
+    bar = tqdm(range(start, cfg.steps), total=cfg.steps, initial=start, disable=not show,
                desc=f"eagle3 draft, {'one process' if group is None else f'dp {cfg.dp} x cp {cp}'}")
-    for batch in bar:
+    for step in bar:
         t0 = time.perf_counter()
-        sums = train_step(target, draft, opt, batch, cfg, cp_group=cp_group,
-                          dp_group=dp_group if replicas > 1 else None)
-        weights = torch.tensor([cfg.decay ** j for j in range(cfg.ttt_steps)], dtype=torch.float64)
-        losses.append(float((sums[0] * weights).sum()) / replicas)
+        lr = scheduler.get_last_lr()[0]
+        sums = train_step(target, draft, opt, [next(batches) for _ in range(cfg.accumulate)],
+                          cfg, cp_group=cp_group, dp_group=dp_group if replicas > 1 else None,
+                          scheduler=scheduler)
+        per = replicas * cfg.accumulate
+        history["loss"].append(float((sums[0] * weights).sum()) / per)
+        history["lr"].append(lr)
         for j in range(cfg.ttt_steps):
-            step_loss[j].append(float(sums[0, j]) / replicas)
-            step_acc[j].append(float(sums[1, j] / sums[2, j]) if sums[2, j] > 0 else float("nan"))
-        rates.append(cfg.batch * cfg.dp * cfg.seqlen / (time.perf_counter() - t0))
-        bar.set_postfix(loss=f"{losses[-1]:.4f}", acc0=f"{step_acc[0][-1]:.3f}",
-                        acc_last=f"{step_acc[-1][-1]:.3f}")
-        n = len(losses)
+            history["step_loss"][j].append(float(sums[0, j]) / per)
+            history["step_accuracy"][j].append(
+                float(sums[1, j] / sums[2, j]) if sums[2, j] > 0 else float("nan"))
+        rates.append(cfg.batch * cfg.dp * cfg.accumulate * cfg.seqlen / (time.perf_counter() - t0))
+        acc = history["step_accuracy"]
+        bar.set_postfix(loss=f"{history['loss'][-1]:.4f}", acc0=f"{acc[0][-1]:.3f}",
+                        acc_last=f"{acc[-1][-1]:.3f}")
+        n = step + 1
         if show and log_every and (n % log_every == 0 or n == cfg.steps):
-            bar.write(f"step {n}: loss {losses[-1]:.4f}; per TTT step loss "
-                      f"{' '.join(f'{step_loss[j][-1]:.3f}' for j in range(cfg.ttt_steps))}; "
-                      f"accuracy "
-                      f"{' '.join(f'{step_acc[j][-1]:.3f}' for j in range(cfg.ttt_steps))}")
+            per_step = " ".join(f"{history['step_loss'][j][-1]:.3f}" for j in range(cfg.ttt_steps))
+            bar.write(f"step {n}: loss {history['loss'][-1]:.4f}; per TTT step loss {per_step}; "
+                      f"accuracy {' '.join(f'{acc[j][-1]:.3f}' for j in range(cfg.ttt_steps))}")
+        if out_dir is not None and rank == 0 and (
+                (cfg.save_every and n % cfg.save_every == 0) or n == cfg.steps):
+            name = "checkpoint-last" if n == cfg.steps else f"checkpoint-{n}"
+            save_checkpoint(os.path.join(out_dir, name), draft, opt, scheduler, n, cfg, history)
     bar.close()
     seconds = time.perf_counter() - t_start
-    later = rates[1:] or rates
+    later = rates[1:] or rates or [float("nan")]
     peak = torch.tensor([peak_rss_mib()], dtype=torch.float64)
     peaks = [float(peak)]
     if group is not None:
@@ -287,8 +409,7 @@ def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
         dist.all_gather(gathered, peak, group=pg)
         peaks = [float(t) for t in gathered]
     result = {
-        "config": asdict(cfg), "world": world, "cp": cp, "dp": cfg.dp,
-        "loss": losses, "step_loss": step_loss, "step_accuracy": step_acc,
+        "config": asdict(cfg), "world": world, "cp": cp, "dp": cfg.dp, **history,
         "shard_ranges": ranges, "seconds": seconds,
         "tokens_per_s_mean": len(later) / sum(1.0 / r for r in later),
         "peak_rss_mib": peaks,
@@ -298,12 +419,15 @@ def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
         with open(os.path.join(out_dir, "eagle3.json"), "w") as f:
             json.dump(result, f, indent=1)
         title = f"Eagle3 draft, S={cfg.seqlen}, dp {cfg.dp} x cp {cp}"
+        step_loss, step_acc = history["step_loss"], history["step_accuracy"]
         plot_curves(os.path.join(out_dir, "eagle3.png"),
                     [(f"TTT step {j}", step_loss[j], {}) for j in range(cfg.ttt_steps)],
                     title=title, ylabel="per-TTT-step loss")
         plot_curves(os.path.join(out_dir, "eagle3_accuracy.png"),
                     [(f"TTT step {j}", step_acc[j], {}) for j in range(cfg.ttt_steps)],
                     title=title, ylabel="per-TTT-step accuracy")
+    if keep_draft:
+        result["draft"] = draft
     return result
 
 
