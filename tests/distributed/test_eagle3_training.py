@@ -424,3 +424,30 @@ def test_checkpoint_of_another_configuration_is_refused(tmp_path):
                      resume=str(tmp_path / "checkpoint-last"))
     with pytest.raises(ValueError, match="no Eagle3 checkpoint"):
         train_eagle3(cfg, progress=False, resume=str(tmp_path / "nowhere"))
+
+
+def run_bf16(layout):
+    """Rank side: per-TTT-step losses of one step under bf16 autocast (CP and one process)
+    and in fp32 (one process), and the dtypes of the draft's parameters and gradients."""
+    cfg = small_config(layout=layout, dtype="bfloat16")
+    cp_target, one_target, draft, draft_one = _models(cfg)
+    batch = next(make_batches(cfg))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cp = eagle3_step(draft, run_target(cp_target, batch, group=dist.group.WORLD,
+                                           layout=layout), steps=cfg.ttt_steps)
+        one = eagle3_step(draft_one, run_target(one_target, batch), steps=cfg.ttt_steps)
+    cp.loss.backward()
+    fp32 = eagle3_step(copy.deepcopy(draft_one), run_target(one_target, batch), steps=cfg.ttt_steps)
+    dtypes = {str(p.dtype) for p in draft.parameters()} | {
+        str(p.grad.dtype) for p in draft.parameters() if p.requires_grad}
+    return cp.losses, one.losses, fp32.losses, dtypes
+
+
+@pytest.mark.timeout(200)
+def test_bf16_step_is_as_close_to_fp32_as_one_process_bf16(clusters):
+    """Under bf16 autocast the CP step's per-TTT-step losses are within 2x (plus 1e-3) of
+    the one-process bf16 step's distance from fp32; parameters and gradients stay fp32."""
+    for rank, (cp, one, fp32, dtypes) in enumerate(clusters(2).run(run_bf16, "zigzag", timeout=180)):
+        assert dtypes == {"torch.float32"}, (rank, dtypes)
+        for j, (a, b, r) in enumerate(zip(cp, one, fp32)):
+            assert abs(a - r) <= 2 * abs(b - r) + 1e-3 * abs(r), (rank, j, a, b, r)

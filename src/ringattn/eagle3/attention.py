@@ -26,7 +26,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..api import build_ring, split_heads_attention, unit_stride
+from ..api import autocast_inputs, build_ring, split_heads_attention, unit_stride
 from ..comm import resolve_group
 from ..masks import key_padding
 from ..ring import Ring, ring_backward, ring_forward
@@ -200,6 +200,10 @@ def ttt_attention(q, keys, values, *, group=None, layout: str = "zigzag",
         TypeError, ValueError: bad input or ranks that disagree (on shapes, options, the
             number of key sets or valid_len), on every rank before any ring send.
     """
+    if isinstance(keys, (list, tuple)) and isinstance(values, (list, tuple)) and keys and \
+            len(keys) == len(values):  # under autocast: everything in its dtype, as SDPA
+        cast = [autocast_inputs(q, k, v) for k, v in zip(keys, values)]
+        q, keys, values = cast[0][0], [c[1] for c in cast], [c[2] for c in cast]
     lengths = None
     error = None
     try:
@@ -244,7 +248,8 @@ def ttt_attention(q, keys, values, *, group=None, layout: str = "zigzag",
     j = len(keys) - 1
     k0, cached_k = kv[0], kv[1:j + 1]
     v0, cached_v = kv[j + 1], kv[j + 2:]
-    return _TTTAttention.apply(ring, q, k0, v0, *cached_k, *cached_v)
+    with torch.autocast(q.device.type, enabled=False):  # the kernels pick their dtypes
+        return _TTTAttention.apply(ring, q, k0, v0, *cached_k, *cached_v)
 
 
 # ---------------------------------------------------------------------------------------
