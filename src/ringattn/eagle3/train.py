@@ -130,18 +130,40 @@ def build_target(cfg: Eagle3Config, attn_implementation: str):
     return model.requires_grad_(False)
 
 
+def draft_config(target_config):
+    """The draft layer's ``LlamaConfig`` for a target: its width, heads, head dim, MLP width
+    and activation, norm epsilon, vocabulary, context length and RoPE (what EAGLE3 drafts
+    and the servers' ``LlamaForCausalLMEagle3`` use), one layer, untied head."""
+    from transformers import LlamaConfig
+
+    t = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    heads = t.num_attention_heads
+    return LlamaConfig(
+        hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        num_attention_heads=heads, num_key_value_heads=getattr(t, "num_key_value_heads", heads),
+        head_dim=getattr(t, "head_dim", None) or t.hidden_size // heads,
+        rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6), vocab_size=t.vocab_size,
+        max_position_embeddings=t.max_position_embeddings,
+        rope_parameters=dict(getattr(t, "rope_parameters", None) or {"rope_type": "default",
+                                                                      "rope_theta": 10000.0}),
+        hidden_act=getattr(t, "hidden_act", "silu"), num_hidden_layers=1,
+        tie_word_embeddings=False, initializer_range=0.02,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
 def build_draft(cfg: Eagle3Config, target, draft_ids: torch.Tensor) -> Eagle3Draft:
-    """A seeded one-layer draft sharing the target's (frozen) token embedding."""
-    config = target.config.__class__(**target.config.to_dict())
-    config.initializer_range = 0.02
+    """A seeded one-layer draft sharing the target's (frozen) token embedding, reading the
+    target's ``eagle3_aux_layers`` (``load_target``) or ``aux_layer_ids``."""
+    config = draft_config(target.config)
+    layers = getattr(target, "eagle3_aux_layers", None) or aux_layer_ids(
+        target.config.num_hidden_layers)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed + 7)
-        draft = Eagle3Draft(config, cfg.hidden, draft_ids,
-                            aux_layer_ids(config.num_hidden_layers)).float()
+        draft = Eagle3Draft(config, target.config.hidden_size, draft_ids, layers).float()
         for name, p in draft.named_parameters():
             if p.dim() == 2 and name != "embed_tokens.weight":
                 torch.nn.init.normal_(p, std=0.02)
-    draft.embed_tokens.weight.data.copy_(target.get_input_embeddings().weight)
+    draft.embed_tokens.weight.data.copy_(target.get_input_embeddings().weight.float())
     return draft.train()
 
 
