@@ -264,8 +264,8 @@ def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seql
         "kernel": names.index(kern.name) if kern.name in names else len(names),
         "needs_grad": int(torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, k, v, sinks))),
+        "cu_seqlens": cu_digest,  # before the mask: documents are part of the mask's digest
         "mask": digest,
-        "cu_seqlens": cu_digest,
         "last_step": 0 if plan is None else plan.last_step,
         "return_lse": int(bool(return_lse)),
         "strategy": 0, "grads": 0, "heads_k_stride": 0,  # set by the strategies
@@ -299,7 +299,7 @@ _FIELD_NAMES = (
     "alibi_slopes",
     "dtype", "device", "layout",
     "seqlen", "causal", "window_left", "window_right", "softmax_scale", "kernel", "needs_grad",
-    "mask", "cu_seqlens", "last_step", "return_lse", "strategy", "grads", "heads_k_stride",
+    "cu_seqlens", "mask", "last_step", "return_lse", "strategy", "grads", "heads_k_stride",
 )
 """What every call agrees on, whatever its strategy (the same row on every rank, so ranks
 that chose different strategies get an error, not mismatched collectives)."""

@@ -63,6 +63,11 @@ def resolve_group(group) -> dist.ProcessGroup:
         return dist.group.WORLD
     if isinstance(group, dist.ProcessGroup):
         return group
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"this rank ({dist.get_rank()}) is not a member of the group it passed: "
+            f"dist.new_group returns GroupMember.NON_GROUP_MEMBER on ranks outside the "
+            f"group; call ringattn only on the group's own ranks")
     mesh_type = _device_mesh_type()
     if mesh_type is not None and isinstance(group, mesh_type):
         if group.ndim == 1:
@@ -190,6 +195,18 @@ class LocalComm:
         raise RuntimeError("a one-rank ring never hops")
 
 
+def _by_value(per_rank: dict) -> list:
+    """[(value, [ranks with it])] in order of first appearance: identical messages once."""
+    groups: dict = {}
+    for r, v in per_rank.items():
+        groups.setdefault(v, []).append(r)
+    return list(groups.items())
+
+
+def _ranks(ranks: list) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
 def metadata_device(group: dist.ProcessGroup) -> torch.device:
     """Where small control tensors of this group live (the GPU for NCCL, else the CPU)."""
     backend = str(dist.get_backend(group))
@@ -237,10 +254,15 @@ def agree(
         dist.all_gather_object(messages, None if error is None else str(error), group=group)
         failed = [r for r in range(world) if table[r, 0] != 0]
         cls = TypeError if table[failed[0], 0] == 2 else ValueError
-        raise cls("; ".join(f"rank {r}: {messages[r]}" for r in failed))
+        said = _by_value({r: messages[r] for r in failed})
+        # this rank's own exception (with the user's traceback, e.g. a mask that raised)
+        # is the cause; other ranks have only the message
+        raise cls("; ".join(f"{_ranks(rs)}: {msg}" for msg, rs in said)) from error
     for i, name in enumerate(names, start=1):
         col = table[:, i]
         if name not in reduce and (col != col[0]).any():
-            values = ", ".join(f"rank {r} has {describe(name, int(col[r]))}" for r in range(world))
+            has = _by_value({r: describe(name, int(col[r])) for r in range(world)})
+            values = ", ".join(f"{_ranks(rs)} {'have' if len(rs) > 1 else 'has'} {v}"
+                               for v, rs in has)
             raise ValueError(f"ranks disagree on {name}: {values}")
     return {name: int(table[:, names.index(name) + 1].max()) for name in reduce}

@@ -53,7 +53,7 @@ def _set(**kw):
 ROWS = [  # (id, edit(args, rank), exception, words)
     ("q-3d", _everywhere(lambda a: a.update(q=a["q"][0])), ValueError, "q must be 4-D"),
     ("heads-not-multiple", _everywhere(lambda a: a.update(k=a["k"][:, :, :1].expand(1, 4, 3, 8).contiguous(), v=a["v"][:, :, :1].expand(1, 4, 3, 8).contiguous())),
-     ValueError, "q has 4 heads, not a multiple of k's 3 heads"),
+     ValueError, "ranks 0, 1, 2: q has 4 heads, not a multiple of k's 3 heads"),
     ("heads-not-multiple-rank1-only", _on_rank(1, lambda a: a.update(k=torch.zeros(1, 4, 3, 8), v=torch.zeros(1, 4, 3, 8))),
      ValueError, "rank 1: q has 4 heads, not a multiple of k's 3 heads"),
     ("dtype-mismatch", _everywhere(lambda a: a.update(k=a["k"].bfloat16())), TypeError, "share a dtype"),
@@ -81,7 +81,7 @@ ROWS = [  # (id, edit(args, rank), exception, words)
     ("dtensor-input", _everywhere(lambda a: a.update(q=_dtensor(a["q"]))), TypeError, ".to_local()"),
     ("layout-differs-from-shard", _everywhere(lambda a: a.update(q=_tagged(a["q"], "striped"))), ValueError, "sharded by ringattn.shard with layout='striped'"),
     ("batch-differs-on-rank2", _on_rank(2, lambda a: a.update(q=a["q"].repeat(2, 1, 1, 1), k=a["k"].repeat(2, 1, 1, 1), v=a["v"].repeat(2, 1, 1, 1))),
-     ValueError, "ranks disagree on batch: rank 0 has 1, rank 1 has 1, rank 2 has 2"),
+     ValueError, "ranks disagree on batch: ranks 0, 1 have 1, rank 2 has 2"),
     ("causal-differs", _on_rank(1, _set(causal=False)), ValueError, "ranks disagree on causal"),
     ("layout-differs", _on_rank(0, _set(layout="striped")), ValueError, "ranks disagree on layout"),
     ("grad-on-one-rank", _on_rank(2, lambda a: a["q"].requires_grad_()), ValueError, "ranks disagree on needs_grad"),
@@ -103,7 +103,8 @@ ROWS = [  # (id, edit(args, rank), exception, words)
     ("cu-not-from-0", _everywhere(_set(cu_seqlens=[2, 12])), ValueError, "must start at 0"),
     ("cu-not-ending-at-S", _everywhere(_set(cu_seqlens=[0, 5, 10])), ValueError, "must end at S=12"),
     ("cu-float", _everywhere(_set(cu_seqlens=torch.tensor([0.0, 12.0]))), TypeError, "integer tensor"),
-    ("cu-differs-on-rank2", _on_rank(2, _set(cu_seqlens=[0, 6, 12])), ValueError, "ranks disagree on"),
+    ("cu-differs-on-rank2", _on_rank(2, _set(cu_seqlens=[0, 6, 12])), ValueError,
+     "ranks disagree on cu_seqlens: ranks 0, 1 have none, rank 2 has cu_seqlens with digest"),
 ]
 
 
@@ -190,3 +191,43 @@ def test_a_hung_rank_is_named(clusters):
     with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] of 2 did not answer"):
         clusters(2).run(sleep_on_rank_one, 30, timeout=3)
     assert clusters(2).run(sleep_on_rank_one, 0) == [0, 1]  # a fresh cluster replaced it
+
+
+def _raising_mask(b, h, q, kv):
+    raise KeyError("the user's own bug")
+
+
+def messages_and_members():
+    """Rank side: (the cause chained to a failing mask's error, its message; what a rank
+    outside a 2-rank group gets; the members' result)."""
+    good = _good()
+    q, k, v = good.pop("q"), good.pop("k"), good.pop("v")
+    try:
+        ra.ring_attention(q, k, v, mask=ra.masks.from_function(_raising_mask), **good)
+        cause, msg = None, "no error"
+    except ValueError as exc:
+        cause, msg = exc.__cause__, str(exc)
+        while cause is not None and not isinstance(cause, KeyError):
+            cause = cause.__cause__
+    pair = dist.new_group(ranks=[0, 1])
+    try:
+        x = torch.randn(1, 6, 2, 8, generator=torch.Generator().manual_seed(0))
+        out = ra.ring_attention(x, x, x, group=pair, seqlen=12)
+        member = ("ok", tuple(out.shape))
+    except (TypeError, ValueError) as exc:
+        member = (type(exc).__name__, str(exc))
+    return repr(cause), msg, member
+
+
+@pytest.mark.timeout(60)
+def test_messages_chain_causes_and_name_non_members(clusters):
+    """A mask that raises: every rank's ValueError names it once for all ranks ("ranks 0,
+    1, 2: ...") and chains the user's own exception on each rank. A rank outside the group
+    it passes is told so (not "got int")."""
+    for rank, (cause, msg, member) in enumerate(clusters(WORLD).run(messages_and_members, timeout=45)):
+        assert cause == "KeyError(\"the user's own bug\")", (rank, cause)
+        assert msg.startswith("ranks 0, 1, 2: mask ") and msg.count("the user's own bug") == 1, (rank, msg)
+        if rank < 2:
+            assert member == ("ok", (1, 6, 2, 8)), (rank, member)
+        else:
+            assert member[0] == "ValueError" and "not a member of the group" in member[1], member
