@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["HYBRID_DIMS", "RingComm", "LocalComm", "Hop", "agree", "all_gather_single",
-           "group_by_name", "hybrid_mesh", "is_hybrid_mesh", "mesh_groups", "metadata_device",
+           "control_group", "group_by_name", "hybrid_mesh", "is_hybrid_mesh", "mesh_groups", "metadata_device",
            "reduce_scatter_single", "resolve_group"]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns);
@@ -207,6 +207,24 @@ def _ranks(ranks: list) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
+_CONTROL: dict = {}
+
+
+def control_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A group with ``group``'s ranks that carries CPU tensors: ``group`` itself when its
+    backend has gloo, else a gloo group made once per group (every member's first
+    agreement makes it). The agreement's small all-gather runs there, so reading its
+    result back never waits for a GPU (no device synchronisation per attention call)."""
+    backend = str(dist.get_backend(group))
+    if "gloo" in backend:
+        return group
+    key = group.group_name
+    if key not in _CONTROL:
+        ranks = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
+        _CONTROL[key] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    return _CONTROL[key]
+
+
 def metadata_device(group: dist.ProcessGroup) -> torch.device:
     """Where small control tensors of this group live (the GPU for NCCL, else the CPU)."""
     backend = str(dist.get_backend(group))
@@ -224,7 +242,8 @@ def agree(
 ) -> dict[str, int]:
     """Raise the same exception on every rank if any rank failed or the ranks disagree.
 
-    One all-gather of a small int64 vector (an error flag and the ``fields``), made before
+    One all-gather of a small int64 CPU vector (an error flag and the ``fields``; on the
+    group's ``control_group``, so no GPU is waited for), made before
     the first ring send, so bad or inconsistent input never leaves a rank waiting for a
     peer that has already given up. Every rank must pass the same field names; a rank that
     failed its local checks passes -1 for what it could not compute. Only when some rank
@@ -245,10 +264,10 @@ def agree(
     names = list(fields)
     flag = 0 if error is None else (2 if isinstance(error, TypeError) else 1)
     row = torch.tensor([flag, *(int(fields[n]) for n in names)], dtype=torch.int64)
-    dev = metadata_device(group)
-    flat = torch.empty(world * row.numel(), dtype=torch.int64, device=dev)
-    _all_gather_single(flat, row.to(dev), group=group)
-    table = flat.cpu().view(world, row.numel())
+    group = control_group(group)  # CPU tensors: no device sync to read the table
+    flat = torch.empty(world * row.numel(), dtype=torch.int64)
+    _all_gather_single(flat, row, group=group)
+    table = flat.view(world, row.numel())
     if table[:, 0].any():
         messages: list = [None] * world
         dist.all_gather_object(messages, None if error is None else str(error), group=group)

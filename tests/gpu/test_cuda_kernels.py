@@ -261,3 +261,27 @@ def test_eagle3_ttt_attention_on_one_gpu_nccl():
         assert rel_err(got_dk, refs[3]) < 1e-5 and rel_err(got_dv, refs[4]) < 1e-5
     finally:
         dist.destroy_process_group()
+
+
+def test_ring_call_makes_no_device_sync():
+    """After a first call (plans and digests cached), a ring call and its backward over NCCL
+    make no device-to-host synchronisation (torch raises on one in "error" mode): the
+    agreement runs on a CPU control group."""
+    import torch.distributed as dist
+
+    fd, path = tempfile.mkstemp()
+    os.close(fd)
+    os.unlink(path)
+    dist.init_process_group("nccl", init_method=f"file://{path}", rank=0, world_size=1)
+    try:
+        q, k, v, do = _inputs(1000, 1000, 8, 2, 64, torch.bfloat16)
+        qx = q.clone().requires_grad_()
+        ra.ring_attention(qx, k, v, causal=True, seqlen=1000).backward(do)  # warm-up
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            ra.ring_attention(qx, k, v, causal=True, seqlen=1000).backward(do)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        dist.destroy_process_group()
