@@ -10,6 +10,8 @@ reuse one classification.
 
 from __future__ import annotations
 
+import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -270,8 +272,93 @@ def _classify_step_whole(mask, seqlen, q_pos, kv_pos, batch, heads, budget):
     return [Block(BlockKind.PARTIAL, 0, n, 0, m, payload)]
 
 
-@lru_cache(maxsize=16)
+PLAN_CACHE_BYTES = 256 << 20
+"""General-mask plans are cached up to this many bytes of mask tensors (stored bits, tile
+kinds, row bounds, and what kernels derive from them), least recently used first out."""
+
+PLAN_CACHE_ENTRIES = 16
+"""... and up to this many plans."""
+
+log = logging.getLogger("ringattn")
+
+
+def _tensor_bytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (tuple, list)):
+        return sum(_tensor_bytes(y) for y in x)
+    if isinstance(x, dict):
+        return sum(_tensor_bytes(y) for y in x.values())
+    if hasattr(x, "as_tuple"):  # flex_attention's BlockMask
+        return _tensor_bytes(x.as_tuple())
+    return 0
+
+
+def plan_bytes(plan: Plan) -> int:
+    """Bytes of the mask tensors a plan holds (including kernels' derived caches)."""
+    total = 0
+    for blocks in plan.steps:
+        for b in blocks:
+            m = b.mask
+            if isinstance(m, BlockMask):
+                total += sum(_tensor_bytes(getattr(m, n)) for n in
+                             ("stored", "tile_kinds", "tile_masks", "row_bounds"))
+                total += _tensor_bytes(m.cache)
+    return total
+
+
+class _PlanCache:
+    """LRU of general-mask plans bounded by ``PLAN_CACHE_BYTES`` and
+    ``PLAN_CACHE_ENTRIES``; says once when a new mask object repeats a cached mask's
+    digest (each object is planned and cached apart: build masks once, or use the
+    value-keyed ones)."""
+
+    def __init__(self):
+        self.plans: OrderedDict = OrderedDict()
+        self.warned = False
+
+    def get(self, key, make):
+        if key in self.plans:
+            self.plans.move_to_end(key)
+            return self.plans[key]
+        mask, rest = key[1], key[:1] + key[2:]
+        if not self.warned and any(k[:1] + k[2:] == rest and k[1] is not mask for k in self.plans):
+            self.warned = True
+            log.warning(
+                "ringattn: a new mask object %r has the digest of a cached one; every new "
+                "object is planned again and cached apart (up to %d MiB): build the mask "
+                "once and reuse it, or use a value-keyed mask (masks.key_mask, "
+                "masks.document, masks.chunked)", mask, PLAN_CACHE_BYTES >> 20)
+        plan = make()
+        self.plans[key] = plan
+        self.trim()
+        return plan
+
+    def trim(self):
+        sizes = {k: plan_bytes(p) for k, p in self.plans.items()}
+        total = sum(sizes.values())
+        while self.plans and (len(self.plans) > PLAN_CACHE_ENTRIES or
+                              (total > PLAN_CACHE_BYTES and len(self.plans) > 1)):
+            key, _ = self.plans.popitem(last=False)
+            total -= sizes[key]
+
+    def bytes(self) -> int:
+        return sum(plan_bytes(p) for p in self.plans.values())
+
+    def clear(self):
+        self.plans.clear()
+
+
+PLAN_CACHE = _PlanCache()
+
+
 def _general_plan(layout, mask, digest, world, rank, seqlen, batch, heads, device, tile) -> Plan:
+    return PLAN_CACHE.get(
+        (layout, mask, digest, world, rank, seqlen, batch, heads, device, tile),
+        lambda: _make_general_plan(layout, mask, world, rank, seqlen, batch, heads, device, tile))
+
+
+def _make_general_plan(layout, mask, world, rank, seqlen, batch, heads, device, tile) -> Plan:
     pos = [local_positions(layout, r, world, seqlen).to(device) for r in range(world)]
     padded = layout.padded_len(seqlen, world)
     starts = [[seg.local_start for seg in layout.segments(r, world, padded)] for r in range(world)]

@@ -312,3 +312,32 @@ def test_tiles_follow_segments():
         # measured 1.25 (W=2) and 1.22 (W=4); fixed tiles that straddle chunks: 3.9 and 7.4
         assert sum(computed) / visible < 1.3, (world, sum(computed) / visible)
         assert max(computed) / (sum(computed) / world) < 1.05, (world, computed)
+
+
+def test_plan_cache_is_bounded_by_bytes_and_names_masks_that_defeat_it(caplog, monkeypatch):
+    """New mask objects for the same mask each get a plan; the cache keeps their bytes under
+    PLAN_CACHE_BYTES and says once (a warning) that new objects defeat it. The same object
+    reuses its plan."""
+    import logging
+
+    from ringattn import plan as plan_mod
+    from ringattn.layouts import Zigzag
+    from ringattn.masks import from_function
+
+    def checker(b, h, q, kv):
+        return ((q // 3 + kv // 5) % 2 == 0) & (kv <= q)
+
+    plan_mod.PLAN_CACHE.clear()
+    limit = 64 << 10
+    monkeypatch.setattr(plan_mod, "PLAN_CACHE_BYTES", limit)
+    monkeypatch.setattr(plan_mod.PLAN_CACHE, "warned", False)
+    with caplog.at_level(logging.WARNING, logger="ringattn"):
+        masks = [from_function(checker) for _ in range(12)]
+        plans = [make_plan(Zigzag(), m, 2, 0, 300, tile=(64, 64)) for m in masks]
+        assert make_plan(Zigzag(), masks[-1], 2, 0, 300, tile=(64, 64)) is plans[-1]
+    one = plan_mod.plan_bytes(plans[0])
+    assert one > 0 and plan_mod.PLAN_CACHE.bytes() <= max(limit, one)
+    assert len(plan_mod.PLAN_CACHE.plans) == max(1, limit // one)
+    warned = [r for r in caplog.records if "digest of a cached one" in r.getMessage()]
+    assert len(warned) == 1
+    plan_mod.PLAN_CACHE.clear()
