@@ -759,7 +759,7 @@ def unit_stride(*tensors):
 def build_ring(q, k, v, *, group, causal, window_size, softmax_scale, layout, seqlen, mask,
                cu_seqlens, return_lse, kernel, backward_overlap, softcap=0.0, sinks=None,
                alibi_slopes=None, extra_fields=(), extra_check=None) -> Ring:
-    """Validate every rank's inputs, agree on them in one metadata all-gather, plan the ring.
+    """Validate every rank's inputs, agree on them in one metadata exchange, plan the ring.
 
     ``extra_check`` (optional) runs inside the validation: it checks a caller's own inputs
     and returns ints for ``extra_fields`` (in that order) that every rank must agree on too
@@ -783,7 +783,7 @@ def _agreed(q, k, v, group, extra_fields, extra_check, *, plan_ring=False, plann
     ``planner(checked)`` for strategies whose ring is not over ``group``), add the ints
     ``extra_check()`` returns for ``extra_fields`` (it runs first and may raise only
     TypeError/ValueError), and agree with every rank
-    in one metadata all-gather: (group, comm, Checked, the last ring step any rank needs).
+    in one metadata exchange: (group, comm, Checked, the last ring step any rank needs).
 
     Raises:
         TypeError, ValueError: the same error on every rank, before any other collective.

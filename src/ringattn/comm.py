@@ -8,10 +8,15 @@ previous are the same rank) cannot deadlock on NCCL's ordering.
 
 from __future__ import annotations
 
+import os
+import time
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["HYBRID_DIMS", "RingComm", "LocalComm", "Hop", "agree", "all_gather_single",
+__all__ = ["HYBRID_DIMS", "PeerError", "RingComm", "LocalComm", "Hop", "agree",
+           "all_gather_single", "get_timeout", "set_timeout",
            "control_group", "group_by_name", "hybrid_mesh", "is_hybrid_mesh", "mesh_groups", "metadata_device",
            "reduce_scatter_single", "resolve_group"]
 
@@ -136,26 +141,79 @@ def group_by_name(name: str) -> dist.ProcessGroup:
     return _resolve_process_group(name)
 
 
+DEFAULT_TIMEOUT_S = 300.0
+"""How long ringattn waits for a peer (a hop, the agreement) before it raises
+``PeerError`` naming it: well under torch's 30-minute process-group default, so a dead or
+frozen rank is named within minutes. ``set_timeout`` or the environment variable
+``RINGATTN_TIMEOUT_S`` changes it."""
+
+_TIMEOUT = [float(os.environ.get("RINGATTN_TIMEOUT_S", DEFAULT_TIMEOUT_S))]
+
+
+def set_timeout(seconds: float) -> None:
+    """Wait at most ``seconds`` for a peer in any ringattn communication (every rank should
+    set the same value).
+
+    Raises:
+        ValueError: not a positive number.
+    """
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"the timeout must be a number of seconds > 0, got {seconds!r}")
+    _TIMEOUT[0] = float(seconds)
+
+
+def get_timeout() -> float:
+    return _TIMEOUT[0]
+
+
+class PeerError(RuntimeError):
+    """A peer rank died, stopped, or never made the matching call: raised where ringattn
+    waited for it, naming the peer, the operation and the ring step, with the transport's
+    exception as the cause. The process group cannot be used afterwards (tear it down)."""
+
+
+def _wait(req, deadline: float) -> None:
+    """``req.wait`` until ``deadline`` (time.monotonic()); transport errors propagate."""
+    left = max(deadline - time.monotonic(), 0.001)
+    if req.wait(timedelta(seconds=left)) is False:  # backends that report instead of raising
+        raise RuntimeError(f"timed out after {left:.1f} s")
+
+
 class Hop:
-    """One ring hop: send ``send`` ``shift`` ranks on, receive ``recv`` from ``shift`` back."""
+    """One ring hop: send ``send`` ``shift`` ranks on, receive ``recv`` from ``shift`` back.
+    ``what`` (e.g. "forward step 2") names it in a ``PeerError``."""
 
     def __init__(self, comm: "RingComm", send: torch.Tensor, recv: torch.Tensor, tag: int,
-                 shift: int = 1):
+                 shift: int = 1, what: str = "ring hop"):
+        self._peers = (comm.global_rank(comm.rank + shift), comm.global_rank(comm.rank - shift))
         self._ops = [
-            dist.P2POp(dist.isend, send, comm.global_rank(comm.rank + shift), comm.group, tag),
-            dist.P2POp(dist.irecv, recv, comm.global_rank(comm.rank - shift), comm.group, tag),
+            dist.P2POp(dist.isend, send, self._peers[0], comm.group, tag),
+            dist.P2POp(dist.irecv, recv, self._peers[1], comm.group, tag),
         ]
         self._reqs = None
         self.recv = recv
+        self.what = what
 
     def start(self) -> "Hop":
         self._reqs = dist.batch_isend_irecv(self._ops)
         return self
 
     def wait(self) -> torch.Tensor:
-        """Wait for both directions; return the received tensor and let go of the sent one."""
-        for req in self._reqs:
-            req.wait()
+        """Wait for both directions; return the received tensor and let go of the sent one.
+
+        Raises:
+            PeerError: the send to the next rank or the receive from the previous one failed
+                (a peer died) or did not complete within ``get_timeout()`` seconds.
+        """
+        deadline = time.monotonic() + get_timeout()
+        for req, peer, verb in zip(self._reqs, self._peers, ("sending to", "receiving from")):
+            try:
+                _wait(req, deadline)
+            except RuntimeError as exc:
+                raise PeerError(
+                    f"ringattn {self.what}: {verb} rank {peer} failed after waiting up to "
+                    f"{get_timeout():g} s ({exc}): rank {peer} died, stopped, or left the "
+                    f"ring after an error of its own") from exc
         recv, self.recv, self._ops, self._reqs = self.recv, None, None, None
         return recv
 
@@ -177,10 +235,11 @@ class RingComm:
         """Global rank of group rank ``rank`` (taken mod W)."""
         return self._global[rank % self.world]
 
-    def hop(self, send: torch.Tensor, recv: torch.Tensor, tag: int, shift: int = 1) -> Hop:
+    def hop(self, send: torch.Tensor, recv: torch.Tensor, tag: int, shift: int = 1,
+            what: str = "ring hop") -> Hop:
         """Post one hop now (to rank + shift, from rank - shift); ``wait()`` before reading
-        ``recv``."""
-        return Hop(self, send, recv, tag, shift).start()
+        ``recv``. ``what`` names the hop in errors (e.g. "forward step 2")."""
+        return Hop(self, send, recv, tag, shift, what).start()
 
 
 class LocalComm:
@@ -193,6 +252,51 @@ class LocalComm:
 
     def hop(self, *args, **kwargs):
         raise RuntimeError("a one-rank ring never hops")
+
+
+_batch_isend_irecv = dist.batch_isend_irecv  # the agreement's own reference (see testing)
+
+AGREE_TAG = 7
+"""Tag of the agreement's messages (the ring's hops use 0 and 1)."""
+
+
+def _exchange(group: dist.ProcessGroup, row: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``row`` [W, n] (an all-gather by point-to-point messages, so that the
+    ranks that never answer within ``get_timeout()`` can be named).
+
+    Raises:
+        PeerError: naming the ranks that died or did not arrive.
+    """
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    table = row.new_empty(world, row.numel())
+    table[me] = row
+    peers = [r for r in range(world) if r != me]
+    ops = [dist.P2POp(dist.isend, row, dist.get_global_rank(group, r), group, AGREE_TAG)
+           for r in peers]
+    ops += [dist.P2POp(dist.irecv, table[r], dist.get_global_rank(group, r), group, AGREE_TAG)
+            for r in peers]
+    reqs = _batch_isend_irecv(ops)
+    deadline = time.monotonic() + get_timeout()
+    missing, first = [], None
+    for r, req in zip(peers, reqs[len(peers):]):
+        try:
+            _wait(req, deadline)
+        except RuntimeError as exc:
+            missing.append(dist.get_global_rank(group, r))
+            first = first or exc
+            deadline = time.monotonic()  # the rest: only what has already arrived
+    if missing:
+        raise PeerError(
+            f"ringattn's agreement before the ring (this is rank {dist.get_rank()}): rank(s) "
+            f"{missing} of the group never answered within {get_timeout():g} s: they died, "
+            f"stopped, or are not making this ringattn call") from first
+    for req in reqs[:len(peers)]:
+        try:
+            _wait(req, time.monotonic() + get_timeout())
+        except RuntimeError as exc:
+            raise PeerError(f"ringattn's agreement: a send failed after every peer "
+                            f"answered ({exc})") from exc
+    return table
 
 
 def _by_value(per_rank: dict) -> list:
@@ -242,8 +346,9 @@ def agree(
 ) -> dict[str, int]:
     """Raise the same exception on every rank if any rank failed or the ranks disagree.
 
-    One all-gather of a small int64 CPU vector (an error flag and the ``fields``; on the
-    group's ``control_group``, so no GPU is waited for), made before
+    One exchange of a small int64 CPU vector (an error flag and the ``fields``) with every
+    other rank (point-to-point on the group's ``control_group``: no GPU is waited for, and
+    a rank that never answers within ``get_timeout()`` is named in a ``PeerError``), made before
     the first ring send, so bad or inconsistent input never leaves a rank waiting for a
     peer that has already given up. Every rank must pass the same field names; a rank that
     failed its local checks passes -1 for what it could not compute. Only when some rank
@@ -265,9 +370,7 @@ def agree(
     flag = 0 if error is None else (2 if isinstance(error, TypeError) else 1)
     row = torch.tensor([flag, *(int(fields[n]) for n in names)], dtype=torch.int64)
     group = control_group(group)  # CPU tensors: no device sync to read the table
-    flat = torch.empty(world * row.numel(), dtype=torch.int64)
-    _all_gather_single(flat, row, group=group)
-    table = flat.view(world, row.numel())
+    table = _exchange(group, row)
     if table[:, 0].any():
         messages: list = [None] * world
         dist.all_gather_object(messages, None if error is None else str(error), group=group)

@@ -91,7 +91,8 @@ def ring_forward(q_BLHD, k_BLHD, v_BLHD, ring: Ring, keep_accumulator: bool = Fa
     spare = torch.empty_like(kv) if steps > 1 else None
     written: list[tuple[int, int]] = []  # row spans that hold a partial result already
     for step in range(steps):
-        hop = ring.comm.hop(kv, spare, RingComm.KV_TAG) if step + 1 < steps else None
+        hop = (ring.comm.hop(kv, spare, RingComm.KV_TAG, what=f"forward, K/V hop of step {step}")
+               if step + 1 < steps else None)
         k_, v_ = split(kv)
         for blk in ring.blocks(step):
             rows, cols = slice(blk.q_start, blk.q_stop), slice(blk.k_start, blk.k_stop)
@@ -140,7 +141,8 @@ def ring_backward(dout_BLHD, q_BLHD, k_BLHD, v_BLHD, out_BLHD, lse_BHL, ring: Ri
     grad_hop = None
     for step in range(steps):
         more = step + 1 < steps
-        hop = ring.comm.hop(kv, spare, RingComm.KV_TAG) if more and spare is not None else None
+        hop = (ring.comm.hop(kv, spare, RingComm.KV_TAG, what=f"backward, K/V hop of step {step}")
+               if more and spare is not None else None)
         dkv = None  # this step's accumulator, holding the contributions of earlier ranks
         if step == 0:  # dK and dV side by side on the head dim: [B, L, Hkv, D + Dv]
             width = dk_width + v_BLHD.shape[3]
@@ -165,12 +167,14 @@ def ring_backward(dout_BLHD, q_BLHD, k_BLHD, v_BLHD, out_BLHD, lse_BHL, ring: Ri
             dkv = grad_hop.wait()
             _add_block_grads(dkv, pending)
         if more and spare is None:  # "none": K/V move now, into a buffer made for them
-            kv = ring.comm.hop(kv, torch.empty_like(kv), RingComm.KV_TAG).wait()
+            kv = ring.comm.hop(kv, torch.empty_like(kv), RingComm.KV_TAG,
+                               what=f"backward, K/V hop of step {step}").wait()
         if steps > 1:
             # on to the next rank; after the last step, straight home to the K/V's owner
             # (``step`` ranks back, which is the next rank when the ring makes a full turn)
             shift = 1 if more else -step
-            grad_hop = ring.comm.hop(dkv, torch.empty_like(dkv), RingComm.GRAD_TAG, shift)
+            grad_hop = ring.comm.hop(dkv, torch.empty_like(dkv), RingComm.GRAD_TAG, shift,
+                                     what=f"backward, dK/dV hop of step {step}")
             del dkv  # the hop holds it until its send completes
         if hop is not None:
             kv, spare = hop.wait(), kv

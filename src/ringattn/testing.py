@@ -166,7 +166,8 @@ def count_collectives():
     """Record every torch.distributed communication call made inside the block.
 
     Yields a list that fills with ``(name, bytes)``: the function called and the bytes of
-    the tensors it sends (for ``batch_isend_irecv``, of its send ops). The real functions
+    the tensors it sends (for ``batch_isend_irecv``, of its send ops); ringattn's metadata
+    agreement is one ``("agreement", bytes of its row)``. The real functions
     run; they are only wrapped (also where ringattn keeps its own reference to one).
     """
     import torch
@@ -188,7 +189,7 @@ def count_collectives():
             if name == "batch_isend_irecv":
                 sent = sum(size(op.tensor) for op in args[0] if op.op.__name__ == "isend")
             elif name in ("all_gather_into_tensor", "all_gather_single", "all_to_all_single",
-                          "reduce_scatter_tensor", "reduce_scatter_single"):
+                          "reduce_scatter_tensor", "reduce_scatter_single", "agreement"):
                 sent = size(args[1] if len(args) > 1 else kwargs.get("input"))
             else:
                 sent = size(args[0]) if args else 0
@@ -197,15 +198,16 @@ def count_collectives():
         return counted
 
     saved = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
-    saved_comm = comm._all_gather_single, comm._reduce_scatter_single
+    saved_comm = comm._all_gather_single, comm._reduce_scatter_single, comm._exchange
     try:
         for name, fn in saved.items():
             setattr(dist, name, wrap(name, fn))
         comm._all_gather_single = wrap("all_gather_single", saved_comm[0])
         comm._reduce_scatter_single = wrap("reduce_scatter_single", saved_comm[1])
+        comm._exchange = wrap("agreement", saved_comm[2])  # its row's bytes
         yield calls
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
-        comm._all_gather_single, comm._reduce_scatter_single = saved_comm
+        comm._all_gather_single, comm._reduce_scatter_single, comm._exchange = saved_comm
 

@@ -165,12 +165,12 @@ def test_diagonal_keys_cost_no_communication(clusters, world):
     the same calls, the same bytes, whatever the number of cached key sets (the metadata
     agreement carries one more int64 field: the number of key sets)."""
     for rank, (per_step, plain) in enumerate(clusters(world).run(run_counted, "zigzag", 8 * world + 3)):
-        assert [n for n, _ in plain].count("all_gather_single") == 1  # the one agreement
-        assert plain[0][0] == "all_gather_single"
+        assert [n for n, _ in plain].count("agreement") == 1
+        assert plain[0][0] == "agreement"
         hops = plain[1:]
         assert hops and all(n == "batch_isend_irecv" for n, _ in hops)
         for j, calls in enumerate(per_step):
-            assert calls[0] == ("all_gather_single", plain[0][1] + 8), (rank, j, calls[0])
+            assert calls[0] == ("agreement", plain[0][1] + 8), (rank, j, calls[0])
             assert calls[1:] == hops, (rank, j, calls, plain)
 
 
@@ -295,13 +295,13 @@ def test_training_step_collective_counts(clusters, world):
     for rank, (counts, layers) in enumerate(clusters(world).run(run_step_collectives, 67 + world, t)):
         # target: per layer one metadata agreement and W - 1 hops; one agreement per tensor
         # shard_batch / run_target shard (input_ids, position_ids, loss_mask)
-        assert counts["target"] == {"all_gather_single": layers + 3,
+        assert counts["target"] == {"agreement": layers + 3,
                                     "batch_isend_irecv": layers * (world - 1)}, (rank, counts)
         # draft: per TTT step one agreement and W - 1 hops; one all_to_all per shifted tensor
         # (teacher, its top token, in-vocabulary flags, loss mask with real-token flags, ids),
-        # 2 more to set up the
-        # Lookahead; one all-reduce of the metrics. Backward: 2W - 1 hops per TTT step.
-        per_step = {"all_gather_single": t, "batch_isend_irecv": t * (world - 1), "all_reduce": 1}
+        # 2 more to set up the Lookahead; one all-reduce of the metrics. Backward: 2W - 1
+        # hops per TTT step.
+        per_step = {"agreement": t, "batch_isend_irecv": t * (world - 1), "all_reduce": 1}
         assert counts["draft forward, first"] == {**per_step, "all_to_all_single": 7}, (rank, counts)
         assert counts["draft forward"] == {**per_step, "all_to_all_single": 5}, (rank, counts)
         assert counts["draft backward"] == {"batch_isend_irecv": t * (2 * world - 1)}, (rank, counts)

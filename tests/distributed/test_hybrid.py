@@ -101,19 +101,19 @@ def count_hybrid_collectives():
 
 @pytest.mark.timeout(120)
 def test_hybrid_collectives(clusters):
-    """Forward: the agreement's all-gather, q/k/v all-to-alls within the node (K/V
+    """Forward: the agreement, q/k/v all-to-alls within the node (K/V
     unexpanded: H=4, Hkv=2, U=2 gives each rank one kv head), one ring hop, the output's
     all-to-all; backward: the reverse all-to-alls and the ring's hops."""
     for rank, (fwd, bwd, kv_bytes) in enumerate(
             clusters(4).run(count_hybrid_collectives, timeout=100)):
         names = [n for n, _ in fwd]
-        assert names[0] == "all_gather_single", (rank, fwd)
+        assert names[0] == "agreement", (rank, fwd)
         assert names.count("all_to_all_single") == 4, (rank, fwd)
         assert fwd[2][1] == fwd[3][1] == kv_bytes, (rank, fwd, kv_bytes)
         assert "batch_isend_irecv" in names, (rank, fwd)  # the ring over R = 2
         bnames = [n for n, _ in bwd]
         assert bnames.count("all_to_all_single") == 4 and "batch_isend_irecv" in bnames, (rank, bwd)
-        assert "all_gather_single" not in bnames, (rank, bwd)
+        assert "agreement" not in bnames, (rank, bwd)
 
 
 def hybrid_errors():

@@ -90,14 +90,14 @@ def count_ulysses_collectives(return_lse):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("return_lse", [False, True])
 def test_ulysses_collectives(clusters, return_lse):
-    """Forward: the agreement's all-gather, then one all-to-all each for q, k, v and out (and
+    """Forward: the agreement, then one all-to-all each for q, k, v and out (and
     lse); backward: their reverses, nothing else. With H=4, Hkv=2 on 2 ranks each rank
     needs one kv head: K and V travel unexpanded (each all-to-all sends a local k's bytes)."""
     n_out = 2 if return_lse else 1
     for rank, (fwd, bwd, kv_bytes) in enumerate(
             clusters(2).run(count_ulysses_collectives, return_lse, timeout=100)):
         names = [n for n, _ in fwd]
-        assert names == ["all_gather_single"] + ["all_to_all_single"] * (3 + n_out), (rank, fwd)
+        assert names == ["agreement"] + ["all_to_all_single"] * (3 + n_out), (rank, fwd)
         assert fwd[2][1] == fwd[3][1] == kv_bytes, (rank, fwd, kv_bytes)
         assert [n for n, _ in bwd] == ["all_to_all_single"] * (3 + n_out), (rank, bwd)
 
@@ -124,7 +124,7 @@ def test_allgather_collectives(clusters, stride):
     groups = 2 if stride == 1 else 1
     for rank, (fwd, bwd, kv_bytes) in enumerate(
             clusters(2).run(count_allgather_collectives, stride, timeout=100)):
-        assert [n for n, _ in fwd] == ["all_gather_single"] * (1 + groups), (rank, fwd)
+        assert [n for n, _ in fwd] == ["agreement"] + ["all_gather_single"] * groups, (rank, fwd)
         assert sum(b for _, b in fwd[1:]) == 2 * kv_bytes, (rank, fwd, kv_bytes)
         assert [n for n, _ in bwd] == ["all_gather_single", "reduce_scatter_single"] * groups, (
             rank, bwd)
