@@ -14,6 +14,7 @@
 from .attention import dense_ttt_attention, modelopt_ttt_mask, ttt_attention, ttt_mask
 from .draft import (Eagle3Draft, StepResult, TargetOutputs, aux_layer_ids, draft_vocabulary,
                     eagle3_step, run_target, shard_target_outputs)
+from .export import export_draft, load_draft
 from .shift import Lookahead
 
 __all__ = [
@@ -25,6 +26,8 @@ __all__ = [
     "dense_ttt_attention",
     "draft_vocabulary",
     "eagle3_step",
+    "export_draft",
+    "load_draft",
     "modelopt_ttt_mask",
     "run_target",
     "shard_target_outputs",
