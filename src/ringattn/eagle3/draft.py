@@ -62,11 +62,21 @@ def aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
 def draft_vocabulary(token_ids: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
     """The ``size`` most frequent target token ids in ``token_ids`` (ties: lower id first),
     sorted: the draft vocabulary, as EAGLE3 builds it from the training data."""
+    counts = torch.bincount(token_ids.flatten().long().cpu(), minlength=vocab_size).double()
+    return top_ids(counts, size)
+
+
+def top_ids(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The ``size`` ids with the largest ``counts`` [V] (ties: lower id first), sorted.
+
+    Raises:
+        ValueError: ``size`` outside [1, V].
+    """
+    vocab_size = counts.numel()
     if not 1 <= size <= vocab_size:
         raise ValueError(f"draft vocabulary size must lie in [1, {vocab_size}], got {size}")
-    counts = torch.bincount(token_ids.flatten().long().cpu(), minlength=vocab_size).double()
-    counts -= torch.arange(vocab_size, dtype=torch.float64) / (2 * vocab_size)  # tie-break
-    return torch.sort(torch.topk(counts, size).indices).values
+    order = torch.argsort(-counts.double(), stable=True)  # equal counts: lower id first
+    return torch.sort(order[:size]).values
 
 
 class Eagle3Draft(nn.Module):
