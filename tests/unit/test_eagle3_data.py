@@ -7,34 +7,14 @@ import json
 import pytest
 import torch
 
+from chat import PLAIN, WITH_BLOCKS, chat_tokenizer as _tokenizer
 from ringattn.eagle3.data import frequency_vocabulary, load_conversations, make_rows, render
 
-WORDS = ["hello", "there", "how", "are", "you", "fine", "thanks", "and", "what", "is", "two",
-         "plus", "four", "be", "brief"]
-SPECIAL = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
-WITH_BLOCKS = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' }} "
-               "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }} <|end|>"
-               "{% endgeneration %}{% else %}{{ m['content'] }} <|end|>{% endif %} {% endfor %}")
-PLAIN = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' }} {{ m['content'] }} <|end|> "
-         "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}")
 CONVERSATION = [{"role": "system", "content": "be brief"},
                 {"role": "user", "content": "hello there how are you"},
                 {"role": "assistant", "content": "fine thanks and you"},
                 {"role": "user", "content": "what is two plus two"},
                 {"role": "assistant", "content": "four"}]
-
-
-def _tokenizer(template):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {w: i for i, w in enumerate(["<unk>", *SPECIAL, *WORDS])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
-    fast.add_special_tokens({"additional_special_tokens": SPECIAL})
-    fast.chat_template = template
-    return fast
 
 
 def test_assistant_tokens_only_with_either_template():

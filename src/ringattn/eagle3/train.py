@@ -29,6 +29,8 @@ from ..integrations import transformers as ra_hf
 from ..layouts import LAYOUTS, local_positions
 from ..train import leave_together, peak_rss_mib, plot_curves, spawn
 from .draft import Eagle3Draft, aux_layer_ids, draft_vocabulary, eagle3_step, run_target
+from .export import FORMATS, export_draft
+from .target import load_target
 
 __all__ = ["Eagle3Config", "build_target", "build_draft", "make_batches", "train_step",
            "train_eagle3", "spawn_eagle3", "shard_ranges"]
@@ -83,7 +85,15 @@ class Eagle3Config:
     """Data-parallel replicas; the world is dp x cp."""
     seed: int = 0
     pad: int = 37
-    """Right padding of each batch's last row (tokens)."""
+    """Right padding of each batch's last row (tokens; synthetic data only)."""
+    target: str | None = None
+    """A local transformers model directory (``load_target``); None: the tiny random Llama
+    above (``vocab``, ``hidden``, ... describe it)."""
+    data: str | None = None
+    """JSON lines of conversations (``data.load_conversations``), rendered with the target's
+    tokenizer and chat template (needs ``target``); None: synthetic random tokens."""
+    pack: bool = False
+    """Pack several conversations per row (``cu_seqlens``; then ``batch`` must be 1)."""
 
     def __post_init__(self):
         for name in ("seqlen", "batch", "steps", "ttt_steps", "vocab", "draft_vocab", "hidden",
@@ -105,14 +115,21 @@ class Eagle3Config:
             raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {self.layout!r}")
         if not 0 <= self.pad < self.seqlen:
             raise ValueError(f"pad must lie in [0, seqlen={self.seqlen}), got {self.pad}")
-        if self.draft_vocab > self.vocab:
+        if self.draft_vocab > self.vocab and self.target is None:
             raise ValueError(f"draft_vocab={self.draft_vocab} exceeds vocab={self.vocab}")
+        if self.data is not None and self.target is None:
+            raise ValueError("data needs a target (its tokenizer renders the conversations)")
+        if self.pack and (self.data is None or self.batch != 1):
+            raise ValueError("pack needs data and batch=1 (packed rows carry their own documents)")
 
 
 def build_target(cfg: Eagle3Config, attn_implementation: str):
-    """The frozen target: a tiny ``LlamaForCausalLM``, seeded (the same in every process)."""
+    """The frozen target: ``cfg.target`` loaded (``load_target``), or a tiny random
+    ``LlamaForCausalLM``, seeded (the same in every process)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if cfg.target is not None:
+        return load_target(cfg.target, dtype=cfg.dtype, attn_implementation=attn_implementation)
     if attn_implementation == ra_hf.NAME:
         ra_hf.register()
     config = LlamaConfig(
@@ -167,11 +184,50 @@ def build_draft(cfg: Eagle3Config, target, draft_ids: torch.Tensor) -> Eagle3Dra
     return draft.train()
 
 
-def make_batches(cfg: Eagle3Config, replica: int | None = 0):
-    """Yield ``cfg.steps * cfg.accumulate`` global batches for DP replica ``replica`` (the same on its CP
+def chat_rows(cfg: Eagle3Config) -> tuple[list[dict], list]:
+    """(training rows, rendered samples) of ``cfg.data`` with ``cfg.target``'s tokenizer."""
+    from transformers import AutoTokenizer
+
+    from .data import load_conversations, make_rows, render
+
+    tok = AutoTokenizer.from_pretrained(cfg.target, local_files_only=True)
+    samples = [render(tok, c, max_len=cfg.seqlen) for c in load_conversations(cfg.data)]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    return make_rows(samples, cfg.seqlen, pad_id=pad, pack=cfg.pack), samples
+
+
+def _data_batches(cfg: Eagle3Config, rows: list[dict], replica: int | None):
+    """``cfg.steps * cfg.accumulate`` batches of ``rows``: every epoch in a seeded order;
+    batch t holds global rows t*dp*B .. (t+1)*dp*B - 1 of that order, replica r the r-th
+    B of them (None: all)."""
+    per = cfg.dp * cfg.batch
+    order: list[int] = []
+    epoch = 0
+    for t in range(cfg.steps * cfg.accumulate):
+        while len(order) < (t + 1) * per:
+            gen = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
+            order += torch.randperm(len(rows), generator=gen).tolist()
+            epoch += 1
+        picked = order[t * per:(t + 1) * per]
+        if replica is not None:
+            picked = picked[replica * cfg.batch:(replica + 1) * cfg.batch]
+        batch = {k: torch.cat([rows[i][k] for i in picked]) for k in
+                 ("input_ids", "loss_mask", "attention_mask")}
+        if cfg.pack:
+            batch["cu_seqlens"] = rows[picked[0]]["cu_seqlens"]
+            batch.pop("attention_mask")  # the padding is a document of its own
+        yield batch
+
+
+def make_batches(cfg: Eagle3Config, replica: int | None = 0, rows: list[dict] | None = None):
+    """Yield ``cfg.steps * cfg.accumulate`` global batches for DP replica ``replica`` (the
+    rows of chat data when ``rows`` are given, ``_data_batches``; else synthetic, the same on its CP
     ranks; None: all replicas' rows, for one process): ``input_ids`` [B, S],
     ``attention_mask`` (each replica's last row right padded by ``pad``) and ``loss_mask``
     (a prompt of 8 tokens is not trained on, nor is padding)."""
+    if rows is not None:
+        yield from _data_batches(cfg, rows, replica)
+        return
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + 17)
     for _ in range(cfg.steps * cfg.accumulate):
         ids = torch.randint(cfg.vocab, (cfg.dp, cfg.batch, cfg.seqlen), generator=gen)
@@ -215,16 +271,23 @@ def _mesh(dp: int):
             mesh.get_local_rank("cp"), world // dp)
 
 
-def _draft_ids(cfg: Eagle3Config, target, group):
-    """The draft vocabulary: the target's most frequent top tokens on the first batch."""
+def _draft_ids(cfg: Eagle3Config, target, group, samples=None):
+    """The draft vocabulary: with chat data, the most frequent loss tokens of the data
+    (``data.frequency_vocabulary``); else the target's most frequent top tokens on the
+    first batch."""
+    if samples is not None:
+        from .data import frequency_vocabulary
+
+        return frequency_vocabulary(samples, target.config.vocab_size, cfg.draft_vocab)
     first = next(make_batches(Eagle3Config(**{**asdict(cfg), "steps": 1}), replica=0))
     tgt = run_target(target, first, group=group, layout=cfg.layout)
     top = tgt.logits.argmax(-1)[tgt.valid_mask]  # real tokens (not the shards' padding)
-    counts = torch.bincount(top, minlength=cfg.vocab)
+    vocab = target.config.vocab_size
+    counts = torch.bincount(top, minlength=vocab)
     if group is not None:
         dist.all_reduce(counts, group=group)
-    return draft_vocabulary(torch.repeat_interleave(torch.arange(cfg.vocab), counts),
-                            cfg.vocab, cfg.draft_vocab)
+    return draft_vocabulary(torch.repeat_interleave(torch.arange(vocab), counts), vocab,
+                            cfg.draft_vocab)
 
 
 def lr_factor(step: int, cfg: Eagle3Config) -> float:
@@ -367,7 +430,8 @@ def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
         world, rank = dist.get_world_size(pg), dist.get_rank(pg)
         cp_group, dp_group, dp_rank, cp_rank, cp = _mesh(cfg.dp)
         target = build_target(cfg, ra_hf.NAME)
-    draft = build_draft(cfg, target, _draft_ids(cfg, target, cp_group))
+    rows, samples = chat_rows(cfg) if cfg.data is not None else (None, None)
+    draft = build_draft(cfg, target, _draft_ids(cfg, target, cp_group, samples))
     opt, scheduler = make_optimizer(draft, cfg)
     history = {"loss": [], "lr": [], "step_loss": [[] for _ in range(cfg.ttt_steps)],
                "step_accuracy": [[] for _ in range(cfg.ttt_steps)]}
@@ -389,7 +453,7 @@ def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
     rates = []
     t_start = time.perf_counter()
     replicas = 1 if group is None else cfg.dp  # one process takes every replica's rows
-    batches = make_batches(cfg, None if group is None else dp_rank)
+    batches = make_batches(cfg, None if group is None else dp_rank, rows)
     for _ in range(start * cfg.accumulate):  # the data position: batches follow the step
         next(batches)
     weights = torch.tensor([cfg.decay ** j for j in range(cfg.ttt_steps)], dtype=torch.float64)
@@ -421,6 +485,9 @@ def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
                 (cfg.save_every and n % cfg.save_every == 0) or n == cfg.steps):
             name = "checkpoint-last" if n == cfg.steps else f"checkpoint-{n}"
             save_checkpoint(os.path.join(out_dir, name), draft, opt, scheduler, n, cfg, history)
+            if n == cfg.steps:  # what servers load (SGLang / SpecForge, and vLLM's speculators)
+                for fmt in FORMATS:
+                    export_draft(draft, os.path.join(out_dir, f"draft-{fmt}"), fmt)
     bar.close()
     seconds = time.perf_counter() - t_start
     later = rates[1:] or rates or [float("nan")]
@@ -462,23 +529,47 @@ def spawn_eagle3(cfg: Eagle3Config, *, world: int, progress: bool = True,
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ringattn.eagle3.train",
                                      description=__doc__.split("\n\n")[0])
+    d = Eagle3Config
     parser.add_argument("--world", type=int, default=2,
                         help="ranks to spawn (ignored under torchrun; default 2)")
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
-    parser.add_argument("--steps", type=int, default=Eagle3Config.steps)
-    parser.add_argument("--seqlen", type=int, default=Eagle3Config.seqlen)
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas; cp = world / dp")
+    parser.add_argument("--target", default=None,
+                        help="a local transformers model directory (default: a tiny random Llama)")
+    parser.add_argument("--data", default=None, help="JSON lines of conversations (needs --target)")
+    parser.add_argument("--pack", action="store_true", help="pack conversations (needs --batch 1)")
+    parser.add_argument("--steps", type=int, default=d.steps)
+    parser.add_argument("--seqlen", type=int, default=d.seqlen)
+    parser.add_argument("--batch", type=int, default=d.batch, help="rows per replica per batch")
+    parser.add_argument("--accumulate", type=int, default=d.accumulate)
+    parser.add_argument("--draft-vocab", type=int, default=d.draft_vocab)
+    parser.add_argument("--lr", type=float, default=d.lr)
+    parser.add_argument("--warmup", type=int, default=d.warmup)
+    parser.add_argument("--grad-clip", type=float, default=d.grad_clip)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype)
+    parser.add_argument("--save-every", type=int, default=d.save_every)
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="zigzag")
-    parser.add_argument("--out", default="eagle3_out")
+    parser.add_argument("--resume", default=None, help="a checkpoint directory to continue from")
+    parser.add_argument("--output", "--out", dest="out", default="eagle3_out",
+                        help="directory for curves, checkpoints and the exported drafts")
     args = parser.parse_args(argv)
-    cfg = Eagle3Config(steps=args.steps, seqlen=args.seqlen, layout=args.layout, dp=args.dp)
+    try:
+        cfg = Eagle3Config(steps=args.steps, seqlen=args.seqlen, layout=args.layout, dp=args.dp,
+                           target=args.target, data=args.data, pack=args.pack, batch=args.batch,
+                           accumulate=args.accumulate, draft_vocab=args.draft_vocab, lr=args.lr,
+                           warmup=args.warmup, grad_clip=args.grad_clip, dtype=args.dtype,
+                           save_every=args.save_every)
+    except ValueError as exc:
+        parser.error(str(exc))
     if "LOCAL_RANK" in os.environ:  # torchrun
         dist.init_process_group("gloo")
         try:
-            train_eagle3(cfg, group=dist.group.WORLD, out_dir=args.out)
+            train_eagle3(cfg, group=dist.group.WORLD, out_dir=args.out, resume=args.resume)
             leave_together()
         finally:
             dist.destroy_process_group()
     else:
+        if args.resume is not None:
+            parser.error("--resume runs under torchrun (or from train_eagle3(resume=...))")
         spawn_eagle3(cfg, world=args.world, out_dir=args.out)
     return 0
 

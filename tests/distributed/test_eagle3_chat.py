@@ -1,0 +1,71 @@
+"""Eagle3 from a target directory and chat data, end to end: conversations rendered with the
+target's tokenizer (loss on assistant tokens), padded or packed rows, the draft vocabulary
+from the data; training under CP on 2 ranks equals one process step for step; the run ends
+with checkpoints and both exported drafts, which load back."""
+
+import json
+
+import pytest
+import torch
+
+from chat import WORDS, chat_tokenizer
+from ringattn.eagle3 import load_draft
+from ringattn.eagle3.train import Eagle3Config, build_target, train_eagle3
+from test_eagle3_training import FP32_TOL, small_config
+
+
+def _setup(tmp_path):
+    """A saved tiny target with the chat tokenizer, and 12 random conversations."""
+    base = small_config()
+    target = build_target(base, "sdpa")
+    target.save_pretrained(tmp_path / "target")
+    chat_tokenizer().save_pretrained(tmp_path / "target")
+    gen = torch.Generator().manual_seed(4)
+
+    def words(n):
+        return " ".join(WORDS[i] for i in torch.randint(len(WORDS), (n,), generator=gen))
+
+    with open(tmp_path / "chats.jsonl", "w") as f:
+        for c in range(12):
+            turns = [{"role": "user", "content": words(3 + c % 4)},
+                     {"role": "assistant", "content": words(2 + c % 5)}]
+            if c % 3 == 0:
+                turns += [{"role": "user", "content": words(2)},
+                          {"role": "assistant", "content": words(4)}]
+            row = {"messages": turns} if c % 2 else {"conversations": [
+                {"from": {"user": "human", "assistant": "gpt"}[t["role"]], "value": t["content"]}
+                for t in turns]}
+            f.write(json.dumps(row) + "\n")
+    return str(tmp_path / "target"), str(tmp_path / "chats.jsonl")
+
+
+def _config(target, data, pack):
+    return Eagle3Config(**{**small_config().__dict__, "target": target, "data": data,
+                           "pack": pack, "batch": 1 if pack else 2, "seqlen": 40, "steps": 3,
+                           "draft_vocab": 12, "pad": 0})
+
+
+def run_chat(cfg, out):
+    import torch.distributed as dist
+
+    return train_eagle3(cfg, group=dist.group.WORLD, progress=False, out_dir=out)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("pack", [False, True])
+def test_chat_training_under_cp_equals_one_process(clusters, tmp_path, pack):
+    target, data = _setup(tmp_path)
+    cfg = _config(target, data, pack)
+    one = train_eagle3(cfg, progress=False)
+    for rank, res in enumerate(clusters(2).run(run_chat, cfg, str(tmp_path / "out"), timeout=200)):
+        for step, (a, b) in enumerate(zip(res["loss"], one["loss"], strict=True)):
+            assert abs(a - b) <= FP32_TOL * abs(b), (rank, step, a, b)
+        for j in range(cfg.ttt_steps):
+            assert res["step_accuracy"][j] == pytest.approx(one["step_accuracy"][j], abs=1e-9, nan_ok=True)
+    assert all(x > 0 for x in one["loss"])
+    out = tmp_path / "out"
+    assert (out / "checkpoint-last" / "state.pt").is_file()
+    emb = build_target(cfg, "sdpa").get_input_embeddings().weight
+    for fmt in ("sglang", "speculators"):
+        draft = load_draft(str(out / f"draft-{fmt}"), embed_tokens=emb)
+        assert draft.d2t.numel() == 12 and draft.aux_layers == (0, 2, 3)
