@@ -72,5 +72,8 @@ def test_eagle3_demo_ring_matches_single_process(tmp_path):
     assert result["shard_ranges"] == [[[0, 63], [189, 250]], [[63, 189]]]
     written = json.loads((tmp_path / "eagle3.json").read_text())
     assert written["cp_loss"] == result["cp_loss"]
+    accepted = result["accepted_per_round"]  # speculative decoding with the exported draft
+    assert 1 <= accepted["untrained"] <= accepted["trained"] + 1 and accepted["rounds"] == 16
+    assert (tmp_path / "draft-speculators" / "config.json").is_file()
     png = (tmp_path / "eagle3.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000

@@ -84,6 +84,39 @@ def _plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
+DRAFT_LEN = 4
+"""Proposals per speculative-decoding round in the demo's acceptance measurement."""
+
+
+def _acceptance(cfg: Eagle3Config, out_dir: str) -> dict:
+    """Mean tokens per verification round of speculative decoding with the CP run's exported
+    draft (loaded back from ``out_dir/draft-sglang``) and with an untrained draft, one round
+    after each of 16 prompts from the training distribution (random tokens), checking that
+    the output equals the target's greedy generation."""
+    import torch
+
+    from .evaluate import speculative_generate
+    from .export import load_draft
+    from .train import _draft_ids, build_draft, build_target
+
+    target = build_target(cfg, "sdpa")
+    trained = load_draft(os.path.join(out_dir, "draft-sglang"),
+                         embed_tokens=target.get_input_embeddings().weight.detach())
+    untrained = build_draft(cfg, target, _draft_ids(cfg, target, None))
+    prompts = [torch.randint(cfg.vocab, (n,), generator=torch.Generator().manual_seed(100 + n))
+               for n in range(8, 24)]
+    result = {"rounds": len(prompts)}
+    for name, draft in (("trained", trained), ("untrained", untrained)):
+        per_round = []
+        for p in prompts:
+            tokens, rounds = speculative_generate(target, draft.eval(), p,
+                                                  max_new_tokens=DRAFT_LEN + 1,
+                                                  draft_len=DRAFT_LEN)
+            per_round += rounds
+        result[name] = sum(per_round) / len(per_round)
+    return result
+
+
 def run_eagle3_demo(world: int = 2, steps: int = Eagle3Config.steps, out_dir: str = "demo_out",
                     layout: str = "zigzag", seqlen: int = Eagle3Config.seqlen, *,
                     verbose: bool = True) -> dict:
@@ -105,8 +138,9 @@ def run_eagle3_demo(world: int = 2, steps: int = Eagle3Config.steps, out_dir: st
     cfg = Eagle3Config(steps=steps, layout=layout, seqlen=seqlen,
                        pad=min(Eagle3Config.pad, seqlen // 4))
     t0 = time.perf_counter()
-    cp = spawn_eagle3(cfg, world=world, progress=verbose)
+    cp = spawn_eagle3(cfg, world=world, progress=verbose, out_dir=out_dir)  # + exported drafts
     single = train_eagle3(cfg, progress=verbose)
+    accepted = _acceptance(cfg, out_dir)
     rel_diff = [abs(a - b) / abs(b) for a, b in zip(cp["loss"], single["loss"])]
     acc_diff = max(abs(a - b) for j in range(cfg.ttt_steps)
                    for a, b in zip(cp["step_accuracy"][j], single["step_accuracy"][j]))
@@ -123,6 +157,9 @@ def run_eagle3_demo(world: int = 2, steps: int = Eagle3Config.steps, out_dir: st
     if steps >= 50 and not last >= LEARN_RATIO * first:
         failures.append(f"the draft did not learn: step-0 accuracy {first:.3f} -> {last:.3f}, "
                         f"not {LEARN_RATIO}x")
+    if steps >= 50 and not accepted["trained"] > accepted["untrained"]:
+        failures.append(f"the exported draft accepts {accepted['trained']:.2f} tokens per round, "
+                        f"no more than an untrained one ({accepted['untrained']:.2f})")
     result = {
         "config": cp["config"], "world": world,
         "cp_loss": cp["loss"], "single_loss": single["loss"], "rel_diff": rel_diff,
@@ -131,6 +168,7 @@ def run_eagle3_demo(world: int = 2, steps: int = Eagle3Config.steps, out_dir: st
         "max_rel_diff": rel_diff[worst], "max_rel_diff_step": worst + 1,
         "max_acc_diff": acc_diff, "tolerance": REL_TOL,
         "accuracy_step0_first": first, "accuracy_step0_last": last,
+        "accepted_per_round": accepted,
         "shard_ranges": cp["shard_ranges"],
         **run_costs(cp, single, t0),
         "failures": failures,
@@ -147,4 +185,8 @@ def run_eagle3_demo(world: int = 2, steps: int = Eagle3Config.steps, out_dir: st
               f"largest accuracy difference {acc_diff:.3f}; step-0 accuracy {first:.3f} -> "
               f"{last:.3f}; CP {cp['seconds']:.1f}s, one process {single['seconds']:.1f}s; "
               f"wrote {os.path.join(out_dir, 'eagle3.json')} and eagle3.png")
+        print(f"speculative decoding with the exported draft ({out_dir}/draft-sglang, and "
+              f"draft-speculators for vLLM): {accepted['trained']:.2f} tokens per target "
+              f"forward (untrained draft: {accepted['untrained']:.2f}; {accepted['rounds']} "
+              f"rounds of {DRAFT_LEN} proposals); output = the target's greedy generation")
     return result
