@@ -69,3 +69,22 @@ def test_chat_training_under_cp_equals_one_process(clusters, tmp_path, pack):
     for fmt in ("sglang", "speculators"):
         draft = load_draft(str(out / f"draft-{fmt}"), embed_tokens=emb)
         assert draft.d2t.numel() == 12 and draft.aux_layers == (0, 2, 3)
+
+
+def test_offline_command_writes_the_rendered_conversations(tmp_path):
+    """``python -m ringattn.eagle3.target``: the chat data rendered and run through the
+    target once, read back with the same ids and loss masks as rendering them directly."""
+    from ringattn.eagle3.data import load_conversations, render
+    from ringattn.eagle3.target import OfflineSamples, main
+
+    target, data = _setup(tmp_path)
+    assert main(["--target", target, "--data", data, "--out", str(tmp_path / "off"),
+                 "--dtype", "float32"]) == 0
+    stored = OfflineSamples(str(tmp_path / "off"))
+    convs = load_conversations(data)
+    assert len(stored) == len(convs) == 12
+    ids, mask = render(chat_tokenizer(), convs[3])
+    batch = stored.batch([3], 64)
+    n = ids.numel()
+    assert torch.equal(batch["input_ids"][0, :n], ids) and torch.equal(batch["loss_mask"][0, :n].bool(), mask)
+    assert batch["attention_mask"][0].sum() == n and batch["aux_hidden"].shape == (1, 64, 3 * 16)
