@@ -89,8 +89,8 @@ class Peak(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if "send" in func.__name__:
-            self.sent.append(tuple(args[0][0].shape) if isinstance(args[0], (list, tuple)) else tuple(args[0].shape))
+        if "send" in func.__name__ and _ring_traffic(args):
+            self.sent.append(tuple(_message(args).shape))
         for t in out if isinstance(out, (list, tuple)) else (out,):
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
@@ -130,6 +130,15 @@ def test_memory_is_per_shard(clusters, layout, causal, window):
         assert sent, "no ring traffic was observed"
 
 
+def _message(args):
+    return args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+
+
+def _ring_traffic(args) -> bool:
+    """A send/recv of ring data (floating point), not of the agreement's int64 row."""
+    return _message(args).is_floating_point()
+
+
 class OpOrder(TorchDispatchMode):
     """Records, in order, ring sends (S), receives (R) and attention kernel calls (K)."""
 
@@ -139,9 +148,9 @@ class OpOrder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__
-        if name.startswith("send"):
+        if name.startswith("send") and _ring_traffic(args):
             self.events.append("S")
-        elif name.startswith("recv"):
+        elif name.startswith("recv") and _ring_traffic(args):
             self.events.append("R")
         elif "flash_attention" in name:
             self.events.append("K")
