@@ -88,3 +88,25 @@ def test_offline_command_writes_the_rendered_conversations(tmp_path):
     n = ids.numel()
     assert torch.equal(batch["input_ids"][0, :n], ids) and torch.equal(batch["loss_mask"][0, :n].bool(), mask)
     assert batch["attention_mask"][0].sum() == n and batch["aux_hidden"].shape == (1, 64, 3 * 16)
+
+
+def run_offline_training(cfg):
+    import torch.distributed as dist
+
+    return train_eagle3(cfg, group=dist.group.WORLD, progress=False)
+
+
+@pytest.mark.timeout(240)
+def test_offline_training_equals_online(clusters, tmp_path):
+    """Training on stored outputs (``--offline``) under CP on 2 ranks gives the losses of
+    online training on the same conversations in one process."""
+    from ringattn.eagle3.target import main
+
+    target, data = _setup(tmp_path)
+    assert main(["--target", target, "--data", data, "--out", str(tmp_path / "off"),
+                 "--dtype", "float32"]) == 0
+    online = train_eagle3(_config(target, data, False), progress=False)
+    cfg = Eagle3Config(**{**_config(target, None, False).__dict__, "offline": str(tmp_path / "off")})
+    for rank, res in enumerate(clusters(2).run(run_offline_training, cfg, timeout=200)):
+        for step, (a, b) in enumerate(zip(res["loss"], online["loss"], strict=True)):
+            assert abs(a - b) <= FP32_TOL * abs(b), (rank, step, a, b)

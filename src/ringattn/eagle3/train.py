@@ -28,9 +28,10 @@ from ..comm import metadata_device, resolve_group
 from ..integrations import transformers as ra_hf
 from ..layouts import LAYOUTS, local_positions
 from ..train import leave_together, peak_rss_mib, plot_curves, spawn
-from .draft import Eagle3Draft, aux_layer_ids, draft_vocabulary, eagle3_step, run_target
+from .draft import (Eagle3Draft, aux_layer_ids, draft_vocabulary, eagle3_step, run_target,
+                    shard_target_outputs)
 from .export import FORMATS, export_draft
-from .target import load_target
+from .target import OfflineSamples, load_target
 
 __all__ = ["Eagle3Config", "build_target", "build_draft", "make_batches", "train_step",
            "train_eagle3", "spawn_eagle3", "shard_ranges"]
@@ -94,6 +95,10 @@ class Eagle3Config:
     tokenizer and chat template (needs ``target``); None: synthetic random tokens."""
     pack: bool = False
     """Pack several conversations per row (``cu_seqlens``; then ``batch`` must be 1)."""
+    offline: str | None = None
+    """A directory ``python -m ringattn.eagle3.target`` wrote: train on the stored target
+    outputs instead of running the target (``target`` still gives the draft its layer
+    config and embedding)."""
 
     def __post_init__(self):
         for name in ("seqlen", "batch", "steps", "ttt_steps", "vocab", "draft_vocab", "hidden",
@@ -117,6 +122,8 @@ class Eagle3Config:
             raise ValueError(f"pad must lie in [0, seqlen={self.seqlen}), got {self.pad}")
         if self.draft_vocab > self.vocab and self.target is None:
             raise ValueError(f"draft_vocab={self.draft_vocab} exceeds vocab={self.vocab}")
+        if self.offline is not None and (self.target is None or self.data is not None):
+            raise ValueError("offline needs target (the draft's config and embedding) and no data")
         if self.data is not None and self.target is None:
             raise ValueError("data needs a target (its tokenizer renders the conversations)")
         if self.pack and (self.data is None or self.batch != 1):
@@ -196,6 +203,16 @@ def chat_rows(cfg: Eagle3Config) -> tuple[list[dict], list]:
     return make_rows(samples, cfg.seqlen, pad_id=pad, pack=cfg.pack), samples
 
 
+def offline_rows(cfg: Eagle3Config) -> tuple[list[dict], list]:
+    """(rows of ``cfg.offline``'s stored samples, one per row cut or padded to S; their
+    (ids, loss mask) pairs for the draft vocabulary)."""
+    stored = OfflineSamples(cfg.offline)
+    rows = [stored.batch([i], cfg.seqlen) for i in range(len(stored))]
+    samples = [(r["input_ids"][0][r["attention_mask"][0].bool()],
+                r["loss_mask"][0][r["attention_mask"][0].bool()].bool()) for r in rows]
+    return rows, samples
+
+
 def _data_batches(cfg: Eagle3Config, rows: list[dict], replica: int | None):
     """``cfg.steps * cfg.accumulate`` batches of ``rows``: every epoch in a seeded order;
     batch t holds global rows t*dp*B .. (t+1)*dp*B - 1 of that order, replica r the r-th
@@ -211,8 +228,9 @@ def _data_batches(cfg: Eagle3Config, rows: list[dict], replica: int | None):
         picked = order[t * per:(t + 1) * per]
         if replica is not None:
             picked = picked[replica * cfg.batch:(replica + 1) * cfg.batch]
-        batch = {k: torch.cat([rows[i][k] for i in picked]) for k in
-                 ("input_ids", "loss_mask", "attention_mask")}
+        keys = [k for k in ("input_ids", "loss_mask", "attention_mask", "aux_hidden", "logits")
+                if k in rows[picked[0]]]
+        batch = {k: torch.cat([rows[i][k] for i in picked]) for k in keys}
         if cfg.pack:
             batch["cu_seqlens"] = rows[picked[0]]["cu_seqlens"]
             batch.pop("attention_mask")  # the padding is a document of its own
@@ -327,7 +345,10 @@ def train_step(target, draft: Eagle3Draft, opt, batch, cfg: Eagle3Config, *,
     opt.zero_grad(set_to_none=False)
     sums = None
     for one in batches:
-        tgt = run_target(target, one, group=cp_group, layout=cfg.layout)
+        if "aux_hidden" in one:  # offline: the target's outputs were stored (OfflineSamples)
+            tgt = shard_target_outputs(one, group=cp_group, layout=cfg.layout)
+        else:
+            tgt = run_target(target, one, group=cp_group, layout=cfg.layout)
         dev = tgt.aux_hidden.device.type
         with torch.autocast(dev, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
             res = eagle3_step(draft, tgt, steps=cfg.ttt_steps, decay=cfg.decay)
@@ -431,6 +452,8 @@ def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
         cp_group, dp_group, dp_rank, cp_rank, cp = _mesh(cfg.dp)
         target = build_target(cfg, ra_hf.NAME)
     rows, samples = chat_rows(cfg) if cfg.data is not None else (None, None)
+    if cfg.offline is not None:
+        rows, samples = offline_rows(cfg)
     draft = build_draft(cfg, target, _draft_ids(cfg, target, cp_group, samples))
     opt, scheduler = make_optimizer(draft, cfg)
     history = {"loss": [], "lr": [], "step_loss": [[] for _ in range(cfg.ttt_steps)],
@@ -537,6 +560,8 @@ def main(argv=None) -> int:
                         help="a local transformers model directory (default: a tiny random Llama)")
     parser.add_argument("--data", default=None, help="JSON lines of conversations (needs --target)")
     parser.add_argument("--pack", action="store_true", help="pack conversations (needs --batch 1)")
+    parser.add_argument("--offline", default=None,
+                        help="train on target outputs stored by python -m ringattn.eagle3.target")
     parser.add_argument("--steps", type=int, default=d.steps)
     parser.add_argument("--seqlen", type=int, default=d.seqlen)
     parser.add_argument("--batch", type=int, default=d.batch, help="rows per replica per batch")
@@ -555,6 +580,7 @@ def main(argv=None) -> int:
     try:
         cfg = Eagle3Config(steps=args.steps, seqlen=args.seqlen, layout=args.layout, dp=args.dp,
                            target=args.target, data=args.data, pack=args.pack, batch=args.batch,
+                           offline=args.offline,
                            accumulate=args.accumulate, draft_vocab=args.draft_vocab, lr=args.lr,
                            warmup=args.warmup, grad_clip=args.grad_clip, dtype=args.dtype,
                            save_every=args.save_every)
