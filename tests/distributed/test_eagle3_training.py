@@ -451,3 +451,20 @@ def test_bf16_step_is_as_close_to_fp32_as_one_process_bf16(clusters):
         assert dtypes == {"torch.float32"}, (rank, dtypes)
         for j, (a, b, r) in enumerate(zip(cp, one, fp32)):
             assert abs(a - r) <= 2 * abs(b - r) + 1e-3 * abs(r), (rank, j, a, b, r)
+
+
+def run_sharded_target(cfg):
+    res = train_eagle3(cfg, group=dist.group.WORLD, progress=False)
+    assert res["target_sharded"], "the target's parameters are not FSDP2 DTensors"
+    return res["loss"]
+
+
+@pytest.mark.timeout(240)
+def test_fsdp2_sharded_target_trains_like_one_process(clusters):
+    """The target's weights sharded by FSDP2 over both CP ranks (shard_target): the draft
+    trains with the losses of one process holding the whole target."""
+    cfg = small_config(steps=3, shard_target=True)
+    one = train_eagle3(small_config(steps=3), progress=False)["loss"]
+    for rank, got in enumerate(clusters(2).run(run_sharded_target, cfg, timeout=200)):
+        for step, (a, b) in enumerate(zip(got, one, strict=True)):
+            assert abs(a - b) <= FP32_TOL * abs(b), (rank, step, a, b)

@@ -95,6 +95,10 @@ class Eagle3Config:
     tokenizer and chat template (needs ``target``); None: synthetic random tokens."""
     pack: bool = False
     """Pack several conversations per row (``cu_seqlens``; then ``batch`` must be 1)."""
+    shard_target: bool = False
+    """Shard the frozen target's parameters over every rank with FSDP2 (``fully_shard`` per
+    decoder layer and at the root): for targets that do not fit one device; each layer's
+    weights are all-gathered for its forward and freed after."""
     offline: str | None = None
     """A directory ``python -m ringattn.eagle3.target`` wrote: train on the stored target
     outputs instead of running the target (``target`` still gives the draft its layer
@@ -152,6 +156,19 @@ def build_target(cfg: Eagle3Config, attn_implementation: str):
         model = LlamaForCausalLM(config).float().eval()
     model.get_input_embeddings().weight.data.mul_(cfg.target_embed_scale)
     return model.requires_grad_(False)
+
+
+def shard_target(target, group) -> None:
+    """FSDP2 over ``group``: ``fully_shard`` every decoder layer, then the root module (the
+    target stays frozen: no gradient is reduced)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = "cuda" if "nccl" in str(dist.get_backend(group)) else "cpu"
+    mesh = DeviceMesh.from_group(group, device)
+    for layer in target.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(target, mesh=mesh)
 
 
 def draft_config(target_config):
@@ -455,6 +472,8 @@ def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
     if cfg.offline is not None:
         rows, samples = offline_rows(cfg)
     draft = build_draft(cfg, target, _draft_ids(cfg, target, cp_group, samples))
+    if cfg.shard_target and group is not None:
+        shard_target(target, pg)  # after build_draft copied the (whole) embedding
     opt, scheduler = make_optimizer(draft, cfg)
     history = {"loss": [], "lr": [], "step_loss": [[] for _ in range(cfg.ttt_steps)],
                "step_accuracy": [[] for _ in range(cfg.ttt_steps)]}
@@ -523,6 +542,7 @@ def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
     result = {
         "config": asdict(cfg), "world": world, "cp": cp, "dp": cfg.dp, **history,
         "shard_ranges": ranges, "seconds": seconds,
+        "target_sharded": any(type(p).__name__ == "DTensor" for p in target.parameters()),
         "tokens_per_s_mean": len(later) / sum(1.0 / r for r in later),
         "peak_rss_mib": peaks,
     }
@@ -560,6 +580,8 @@ def main(argv=None) -> int:
                         help="a local transformers model directory (default: a tiny random Llama)")
     parser.add_argument("--data", default=None, help="JSON lines of conversations (needs --target)")
     parser.add_argument("--pack", action="store_true", help="pack conversations (needs --batch 1)")
+    parser.add_argument("--shard-target", action="store_true",
+                        help="shard the target's weights over all ranks with FSDP2")
     parser.add_argument("--offline", default=None,
                         help="train on target outputs stored by python -m ringattn.eagle3.target")
     parser.add_argument("--steps", type=int, default=d.steps)
@@ -580,7 +602,7 @@ def main(argv=None) -> int:
     try:
         cfg = Eagle3Config(steps=args.steps, seqlen=args.seqlen, layout=args.layout, dp=args.dp,
                            target=args.target, data=args.data, pack=args.pack, batch=args.batch,
-                           offline=args.offline,
+                           offline=args.offline, shard_target=args.shard_target,
                            accumulate=args.accumulate, draft_vocab=args.draft_vocab, lr=args.lr,
                            warmup=args.warmup, grad_clip=args.grad_clip, dtype=args.dtype,
                            save_every=args.save_every)
