@@ -38,6 +38,9 @@ bench: install
 	$(PY) benchmarks/bench_eagle3.py
 	$(PY) benchmarks/bench_strategies.py
 	$(PY) benchmarks/bench_features.py
+	$(PY) benchmarks/strategy_table.py
+	-$(PIP) install -q --no-deps yunchang
+	$(PY) benchmarks/bench_yunchang.py
 	$(PY) benchmarks/report.py
 
 clean:
