@@ -24,7 +24,6 @@ Writes results/yunchang.json and results/yunchang.png.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -128,11 +127,9 @@ def chosen_task(s, causal, hkv):
 
 
 def _has_yunchang() -> bool:
-    try:
-        import yunchang.comm.all_to_all  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    import importlib.util
+
+    return importlib.util.find_spec("yunchang") is not None
 
 
 def run(s: int, rounds: int, worlds, out_dir: Path) -> dict:
