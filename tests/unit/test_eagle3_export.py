@@ -1,102 +1,242 @@
 """Eagle3 draft export in SGLang's and speculators' formats: names, shapes, dtypes and
-config keys as the servers read them, and a bit-for-bit round trip through load_draft."""
+config keys as the servers read them (docs/eagle3_formats.md), a bit-for-bit round trip
+through load_draft, and the errors."""
 
 import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
-from ringattn.eagle3 import dense_ttt_attention
-from ringattn.eagle3.export import export_draft, load_draft
-from ringattn.eagle3.train import Eagle3Config, build_draft, build_target
+from ringattn.eagle3 import Eagle3Draft, dense_ttt_attention, export_draft, load_draft
+from ringattn.eagle3.train import Eagle3Config, build_draft, build_target, draft_config
 
-LAYER = ["input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
-         "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-         "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-         "mlp.down_proj.weight"]
+CFG = Eagle3Config(vocab=96, draft_vocab=48, hidden=64, heads=4, kv_heads=2, intermediate=128,
+                   target_layers=4)
+DRAFT_IDS = torch.arange(0, 96, 2)
+LAYER = {  # our name -> (the servers' name inside the decoder layer, shape)
+    "input_layernorm.weight": ("input_layernorm.weight", (64,)),
+    "hidden_norm.weight": ("hidden_norm.weight", (64,)),
+    "post_attention_layernorm.weight": ("post_attention_layernorm.weight", (64,)),
+    "q_proj.weight": ("self_attn.q_proj.weight", (64, 128)),  # input [embed; hidden]
+    "k_proj.weight": ("self_attn.k_proj.weight", (32, 128)),
+    "v_proj.weight": ("self_attn.v_proj.weight", (32, 128)),
+    "o_proj.weight": ("self_attn.o_proj.weight", (64, 64)),
+    "mlp.gate_proj.weight": ("mlp.gate_proj.weight", (128, 64)),
+    "mlp.up_proj.weight": ("mlp.up_proj.weight", (128, 64)),
+    "mlp.down_proj.weight": ("mlp.down_proj.weight", (64, 128)),
+}
+TOP = {"fc.weight": (64, 192), "norm.weight": (64,), "lm_head.weight": (48, 64),
+       "d2t": (48,), "t2d": (96,)}
+LAYER_KEYS = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "hidden_act": "silu", "vocab_size": 96, "num_hidden_layers": 1,
+              "tie_word_embeddings": False, "rope_theta": 10000.0,
+              "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}
 
 
-def _draft(dtype):
-    cfg = Eagle3Config(vocab=96, draft_vocab=48, hidden=64, heads=4, kv_heads=2,
-                       intermediate=128, target_layers=4)
-    target = build_target(cfg, "sdpa")
-    draft = build_draft(cfg, target, torch.arange(0, 96, 2))
+@pytest.fixture(scope="module")
+def target():
+    return build_target(CFG, "sdpa")
+
+
+def _draft(target, dtype):
+    """A draft with random weights and the target's embedding (as training leaves it)."""
+    draft = build_draft(CFG, target, DRAFT_IDS)
     with torch.no_grad():
-        for p in draft.parameters():
-            p.normal_(generator=torch.Generator().manual_seed(p.numel()))
-    return draft.to(dtype), target
+        for name, p in draft.named_parameters():
+            if name != "embed_tokens.weight":
+                p.normal_(generator=torch.Generator().manual_seed(p.numel()))
+    return draft.to(dtype)
 
 
-def _outputs(draft):
-    g = torch.Generator().manual_seed(3)
-    b, s = 2, 9
-    dt = draft.lm_head.weight.dtype
-    embeds = torch.randn(b, s, 64, generator=g).to(dt)
-    hidden = torch.randn(b, s, 64, generator=g).to(dt)
-    pos = torch.arange(s).expand(b, s)
-    out = draft.layer(embeds, hidden, pos, ([], []), dense_ttt_attention)
-    return draft.logits(out)
+def _expected_names(prefix):
+    return {prefix + theirs: shape for theirs, shape in LAYER.values()} | TOP
+
+
+def _check_tensors(path, prefix, dtype, extra=()):
+    w = load_file(path / "model.safetensors")
+    expected = _expected_names(prefix) | dict(extra)
+    assert sorted(w) == sorted(expected)
+    for name, shape in expected.items():
+        assert tuple(w[name].shape) == shape, name
+        want = {"d2t": torch.int64, "t2d": torch.bool}.get(name, dtype)
+        assert w[name].dtype == want, name
+    assert torch.equal(w["d2t"] + torch.arange(48), DRAFT_IDS)
+    assert torch.equal(w["t2d"].nonzero().flatten(), DRAFT_IDS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sglang_format(tmp_path, dtype):
-    draft, target = _draft(dtype)
-    export_draft(draft, tmp_path, "sglang")
+def test_sglang_format(tmp_path, target, dtype):
+    draft = _draft(target, dtype)
+    export_draft(draft, tmp_path, "sglang", target=target)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert {k: config[k] for k in LAYER_KEYS} == LAYER_KEYS
+    assert "rope_scaling" not in config  # default RoPE: transformers 4 reads rope_theta alone
+    assert config["rms_norm_eps"] == draft.config.rms_norm_eps
+    assert config["max_position_embeddings"] == draft.config.max_position_embeddings
     assert config["draft_vocab_size"] == 48 and config["target_hidden_size"] == 64
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]
-    assert config["tie_word_embeddings"] is False and config["num_hidden_layers"] == 1
-    assert config["rope_theta"] == 10000.0 and config["vocab_size"] == 96
-    w = load_file(tmp_path / "model.safetensors")
-    assert sorted(w) == sorted(["midlayer." + n for n in LAYER]
-                               + ["fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"])
-    assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool
-    assert w["fc.weight"].shape == (64, 3 * 64) and w["lm_head.weight"].shape == (48, 64)
-    assert w["midlayer.self_attn.q_proj.weight"].shape == (64, 128)  # input [embed; hidden]
-    assert torch.equal(w["d2t"] + torch.arange(48), torch.arange(0, 96, 2))
-    assert int(w["t2d"].sum()) == 48 and w["midlayer.mlp.up_proj.weight"].dtype == dtype
-    _round_trip(draft, tmp_path, target)
+    assert config["torch_dtype"] == str(dtype).removeprefix("torch.")
+    # decoder-layer indices whose outputs are read (aux_layer_ids(4))
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 2, 3],
+                                      "use_aux_hidden_state": True}
+    _check_tensors(tmp_path, "midlayer.", dtype)  # no embedding: SGLang uses the target's
+    _round_trip(draft, load_draft(tmp_path, embed_tokens=target.get_input_embeddings().weight))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_speculators_format(tmp_path, dtype):
-    draft, target = _draft(dtype)
-    export_draft(draft, tmp_path, "speculators", include_embedding=True)
+def test_speculators_format(tmp_path, target, dtype):
+    draft = _draft(target, dtype)
+    export_draft(draft, tmp_path, "speculators", target=target)
     config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["Eagle3Speculator"]
     assert config["speculators_model_type"] == "eagle3"
     assert config["norm_before_residual"] is False  # written out: vLLM defaults to true
-    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # hidden-states indexing
-    assert config["transformer_layer_config"]["hidden_size"] == 64
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # hidden-states indices
+    layer = config["transformer_layer_config"]
+    assert {k: layer[k] for k in LAYER_KEYS} == LAYER_KEYS
     assert config["draft_vocab_size"] == 48 and config["target_hidden_size"] == 64
+    spec = config["speculators_config"]
+    assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
+    assert spec["proposal_methods"][0]["speculative_tokens"] >= 1  # vLLM requires it
+    assert spec["verifier"] == {"name_or_path": None, "architectures": ["LlamaForCausalLM"]}
+    _check_tensors(tmp_path, "layers.0.", dtype, {"embed_tokens.weight": (96, 64)})
+    _round_trip(draft, load_draft(tmp_path))
+
+
+def test_speculators_verifier_by_name(tmp_path, target):
+    export_draft(_draft(target, torch.float32), tmp_path, "speculators", target="org/model")
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["speculators_config"]["verifier"] == {"name_or_path": "org/model",
+                                                        "architectures": []}
+
+
+def test_sglang_keeps_the_embedding_of_a_draft_of_another_width(tmp_path, target):
+    """SGLang substitutes the target's embedding only when the widths agree."""
+    narrow = draft_config(target.config)
+    narrow.hidden_size, narrow.head_dim = 32, 8
+    draft = Eagle3Draft(narrow, 64, DRAFT_IDS, (0, 2, 3))
+    export_draft(draft, tmp_path, "sglang")
     w = load_file(tmp_path / "model.safetensors")
-    assert "layers.0.self_attn.o_proj.weight" in w and "midlayer.hidden_norm.weight" not in w
-    assert w["embed_tokens.weight"].shape == (96, 64)
-    _round_trip(draft, tmp_path, None)
+    assert w["embed_tokens.weight"].shape == (96, 32) and w["fc.weight"].shape == (32, 192)
+    _round_trip(draft, load_draft(tmp_path))
 
 
-def _round_trip(draft, path, target):
-    emb = None if target is None else draft.embed_tokens.weight
-    back = load_draft(str(path), embed_tokens=emb)
-    ours, theirs = draft.state_dict(), back.state_dict()
-    assert sorted(ours) == sorted(theirs)
-    for name in ours:
-        assert ours[name].dtype == theirs[name].dtype and torch.equal(ours[name], theirs[name]), name
-    assert back.aux_layers == draft.aux_layers and back.target_hidden_size == 64
-    with torch.no_grad():
-        assert torch.equal(_outputs(draft), _outputs(back))
+def _round_trip(draft, back):
+    """Every parameter and buffer (RoPE's included) equal with its dtype, the same
+    vocabulary and aux layers, and the same logits on one input."""
+    for kind in ("named_parameters", "named_buffers"):
+        ours, theirs = dict(getattr(draft, kind)()), dict(getattr(back, kind)())
+        assert sorted(ours) == sorted(theirs)
+        for name, t in ours.items():
+            assert t.dtype == theirs[name].dtype and torch.equal(t, theirs[name]), name
+    assert back.aux_layers == draft.aux_layers
+    assert back.target_hidden_size == draft.target_hidden_size
+    assert not back.embed_tokens.weight.requires_grad
+    assert torch.equal(_logits(draft), _logits(back))
 
 
-def test_errors(tmp_path):
-    draft, _ = _draft(torch.float32)
+@torch.no_grad()
+def _logits(draft):
+    g = torch.Generator().manual_seed(3)
+    dtype, h = draft.lm_head.weight.dtype, draft.config.hidden_size
+    embeds = torch.randn(2, 9, h, generator=g).to(dtype)
+    aux = torch.randn(2, 9, 3 * draft.target_hidden_size, generator=g).to(dtype)
+    pos = torch.arange(9).expand(2, 9)
+    return draft.logits(draft.layer(embeds, draft.fc(aux), pos, ([], []), dense_ttt_attention))
+
+
+def _edit_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def _edit_tensors(path, drop=(), **changes):
+    w = load_file(path / "model.safetensors")
+    w = {k: v for k, v in w.items() if k not in drop} | changes
+    save_file(w, path / "model.safetensors")
+
+
+def test_export_errors(tmp_path, target):
+    draft = _draft(target, torch.float32)
     with pytest.raises(ValueError, match="format must be one of"):
         export_draft(draft, tmp_path, "onnx")
+    with pytest.raises(ValueError, match="auxiliary layers"):
+        export_draft(Eagle3Draft(draft.config, 64, DRAFT_IDS), tmp_path, "sglang")
+    with torch.no_grad():
+        draft.embed_tokens.weight.add_(1.0)
+    with pytest.raises(ValueError, match="differ from the target's input embedding"):
+        export_draft(draft, tmp_path, "sglang", target=target)
+    export_draft(draft, tmp_path, "speculators", target=target)  # keeps its own: fine
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "speculators"])
+def test_load_errors_name_the_tensors(tmp_path, target, fmt):
+    prefix = "midlayer." if fmt == "sglang" else "layers.0."
+    export_draft(_draft(target, torch.float32), tmp_path, fmt)
+    emb = target.get_input_embeddings().weight
+    _edit_tensors(tmp_path, drop=[prefix + "mlp.up_proj.weight"],
+                  **{"fc.weight": torch.zeros(64, 190), "extra.weight": torch.zeros(2)})
+    with pytest.raises(ValueError) as err:
+        load_draft(tmp_path, embed_tokens=emb)
+    for name in (prefix + "mlp.up_proj.weight", "fc.weight (64, 190)", "extra.weight"):
+        assert name in str(err.value)
+
+
+def test_load_errors(tmp_path, target):
     with pytest.raises(ValueError, match="no config.json"):
-        load_draft(str(tmp_path / "none"))
+        load_draft(tmp_path / "none")
+    draft = _draft(target, torch.float32)
     export_draft(draft, tmp_path, "sglang")
     with pytest.raises(ValueError, match="holds no embed_tokens"):
-        load_draft(str(tmp_path))
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+        load_draft(tmp_path)
+    with pytest.raises(ValueError, match="embed_tokens has shape"):
+        load_draft(tmp_path, embed_tokens=torch.zeros(96, 32))
+    t2d = draft.t2d.clone()
+    t2d[1] = True
+    _edit_tensors(tmp_path, t2d=t2d)
+    with pytest.raises(ValueError, match="t2d is not the indicator"):
+        load_draft(tmp_path, embed_tokens=draft.embed_tokens.weight)
+    _edit_config(tmp_path, architectures=["LlamaForCausalLM"])
     with pytest.raises(ValueError, match="neither an SGLang Eagle3 config"):
-        load_draft(str(tmp_path))
+        load_draft(tmp_path)
+    export_draft(draft, tmp_path, "speculators")
+    _edit_config(tmp_path, norm_before_residual=None)
+    with pytest.raises(ValueError, match="refusing to guess"):
+        load_draft(tmp_path)
+    _edit_config(tmp_path, norm_before_residual=True)
+    with pytest.raises(ValueError, match="norm_before_residual"):
+        load_draft(tmp_path)
+    _edit_config(tmp_path, speculators_model_type="dflash")
+    with pytest.raises(ValueError, match="not 'eagle3'"):
+        load_draft(tmp_path)
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "speculators"])
+def test_scaled_rope(tmp_path, target, fmt):
+    """A non-default RoPE is written three ways and read back exactly."""
+    config = draft_config(target.config)
+    config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}
+    draft = Eagle3Draft(config, 64, DRAFT_IDS, (0, 2, 3))
+    export_draft(draft, tmp_path, fmt)
+    written = json.loads((tmp_path / "config.json").read_text())
+    layer = written if fmt == "sglang" else written["transformer_layer_config"]
+    assert layer["rope_theta"] == 5e5 and layer["rope_parameters"] == config.rope_parameters
+    assert layer["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+    back = load_draft(tmp_path, embed_tokens=draft.embed_tokens.weight)
+    assert back.config.rope_parameters == config.rope_parameters
+    _round_trip(draft, back)
+
+
+def test_load_reads_transformers_4_rope_keys(tmp_path, target):
+    """A config with only rope_theta / rope_scaling (SpecForge under transformers 4)."""
+    draft = _draft(target, torch.float32)
+    export_draft(draft, tmp_path, "sglang")
+    _edit_config(tmp_path, rope_parameters=None, rope_theta=10000.0)
+    _round_trip(draft, load_draft(tmp_path, embed_tokens=draft.embed_tokens.weight))
