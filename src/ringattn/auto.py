@@ -82,6 +82,10 @@ class CostModel:
     """The link of a 1-D group, or of the hybrid mesh's "ulysses" (inner) dimension."""
     outer: Link | None = None
     """The hybrid mesh's "ring" (outer) dimension; None: as ``inner``."""
+    overlap: float = 1.0
+    """How much of a ring hop hides behind the kernels beside it: 1 (GPUs: NCCL's copies
+    run beside the kernels), 0 (the time of both is the sum: CPU ranks, whose gloo copies
+    take the cores the kernels use; FACTS.md). Measured by ``measure``."""
 
     @property
     def across(self) -> Link:
@@ -155,9 +159,14 @@ def _work(layout, world, seqlen, causal, window, cu):
 
 
 def _ring_time(pairs: torch.Tensor, per_pair: float, flops: float, hop_f: float,
-               hop_b: float, backward: bool) -> tuple[float, float]:
-    """(compute, total) seconds of the ring over ``pairs`` [W, W]: step t is as slow as the
-    slowest rank's blocks at t or the hop that runs beside them."""
+               hop_b: float, backward: bool, overlap: float = 1.0) -> tuple[float, float]:
+    """(compute, total) seconds of the ring over ``pairs`` [W, W]: step t takes the slowest
+    rank's blocks at t and the hop beside them, of which ``overlap`` of the shorter one is
+    hidden (1: the slower of the two)."""
+
+    def both(c, h):
+        return c + h - overlap * min(c, h)
+
     w = pairs.shape[0]
     idx = torch.arange(w)
     per_step = torch.stack([pairs[idx, (idx - t) % w].max() for t in range(w)])
@@ -165,11 +174,11 @@ def _ring_time(pairs: torch.Tensor, per_pair: float, flops: float, hop_f: float,
     steps = int(busy[-1]) + 1 if busy.numel() else 1
     fwd = per_step[:steps] * per_pair / flops
     compute = float(fwd.sum())
-    total = sum(max(float(c), hop_f if t + 1 < steps else 0.0) for t, c in enumerate(fwd))
+    total = sum(both(float(c), hop_f if t + 1 < steps else 0.0) for t, c in enumerate(fwd))
     if backward:
         bwd = fwd * BACKWARD_FLOP_RATIO
         compute += float(bwd.sum())
-        total += sum(max(float(c), hop_b if t + 1 < steps else 0.0) for t, c in enumerate(bwd))
+        total += sum(both(float(c), hop_b if t + 1 < steps else 0.0) for t, c in enumerate(bwd))
     return compute, total
 
 
@@ -206,7 +215,7 @@ def estimate(shape: CallShape, cost: CostModel) -> dict[str, Estimate]:
     res = {}
     hop_f = flat.time(kv_shard)
     hop_b = flat.time(kv_shard + b * n * hkv * (d + dv) * 4)
-    comp, tot = _ring_time(pairs, per_pair * h, cost.flops, hop_f, hop_b, bwd)
+    comp, tot = _ring_time(pairs, per_pair * h, cost.flops, hop_f, hop_b, bwd, cost.overlap)
     res["ring"] = Estimate("ring", comp, max(tot - comp, 0.0), tot)
     split = head_split(h, hkv, w)
     kv_sent = sum(len(x) for x in split.kv_heads) / hkv  # kv heads sent, in shards
@@ -233,7 +242,8 @@ def estimate(shape: CallShape, cost: CostModel) -> dict[str, Estimate]:
         kv_ring = b * (n * u_dim) * max(len(x) for x in split.kv_heads) * (d + dv)
         hop_f = cost.across.time(kv_ring * e)
         hop_b = cost.across.time(kv_ring * (e + 4))
-        comp, tot = _ring_time(gpairs, per_pair * most, cost.flops, hop_f, hop_b, bwd)
+        comp, tot = _ring_time(gpairs, per_pair * most, cost.flops, hop_f, hop_b, bwd,
+                               cost.overlap)
         res["hybrid"] = Estimate("hybrid", comp, max(tot - comp, 0.0) + comm, tot + comm)
     return res
 
@@ -272,17 +282,35 @@ def measure(group=None, *, nbytes: int = 4 << 20, reps: int = 3) -> CostModel:
         return _MEASURED[key]
     dev = metadata_device(flat)
     times = [t for pg in dims for t in _link_times(pg, dev, nbytes, reps)]
-    times.append(_best_of(reps, dev, lambda: torch.nn.functional.scaled_dot_product_attention(
-        _PROBE.to(dev), _PROBE.to(dev), _PROBE.to(dev), is_causal=True)))
+    probe = _PROBE.to(dev)
+
+    def kernel():
+        torch.nn.functional.scaled_dot_product_attention(probe, probe, probe, is_causal=True)
+
+    comm = RingComm(dims[-1])  # the ring's dimension
+    send = torch.zeros(nbytes // 4, device=dev)
+    recv = torch.empty_like(send)
+
+    def beside():  # a big hop posted, the kernel run, the hop awaited: what a ring step does
+        hop = comm.hop(send, recv, RingComm.KV_TAG) if comm.world > 1 else None
+        kernel()
+        if hop is not None:
+            hop.wait()
+
+    times += [_best_of(reps, dev, beside), _best_of(reps, dev, kernel)]
     row = torch.tensor(times, dtype=torch.float64, device=dev)
     if dist.get_world_size(flat) > 1:
         dist.all_reduce(row, op=dist.ReduceOp.MAX, group=flat)
     t = row.tolist()
     links = [Link(bandwidth=nbytes / max(big - lat, 1e-9), latency=lat)
-             for lat, big in zip(t[0:-1:2], t[1:-1:2])]
+             for lat, big in zip(t[0:-2:2], t[1:-2:2])]
     b, h, n, d = _PROBE.shape
     flop = b * h * n * (n + 1) / 2 * 2 * (d + d)  # causal pairs x 2(D + Dv)
-    model = CostModel(flops=flop / t[-1], inner=links[0], outer=links[1] if len(links) > 1 else None)
+    together, alone, hop = t[-2], t[-1], t[-3]  # (the ring dimension's big hop)
+    overlap = 1.0 if comm.world == 1 else (alone + hop - together) / min(alone, hop)
+    model = CostModel(flops=flop / alone, inner=links[0],
+                      outer=links[1] if len(links) > 1 else None,
+                      overlap=min(max(overlap, 0.0), 1.0))
     _MEASURED[key] = model
     return model
 

@@ -77,6 +77,10 @@ def test_choices_where_the_answer_is_known():
     assert est["allgather"].total == pytest.approx(est["ulysses"].total, rel=0.02)
     # no hybrid without a mesh
     assert "hybrid" not in estimate(one_d, H100x64)
+    # CPU ranks: a hop does not hide behind the kernels (overlap 0), so the ring pays both
+    hidden = estimate(one_d, slow)["ring"]
+    cpu = estimate(one_d, ra.CostModel(flops=450e12, inner=ra.Link(350e6, 10e-6), overlap=0.0))["ring"]
+    assert cpu.compute == pytest.approx(hidden.compute) and cpu.total > hidden.total
 
 
 def auto_rank(shape):
@@ -112,6 +116,7 @@ def test_auto_exact_and_agreed(clusters, worst_errors, shape):
     models = [r[2] for r in per_rank]
     assert all(m == models[0] for m in models), models
     assert models[0].flops > 0 and models[0].inner.bandwidth > 0
+    assert 0.0 <= models[0].overlap <= 1.0
     assert (models[0].outer is not None) == (shape is not None)
     for rank, (_, _, _, logged) in enumerate(per_rank):
         # one line per new call shape (4 cases), none for the repeated one

@@ -84,6 +84,87 @@ def _plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
+CHAT_WORDS = ("the", "a", "cat", "dog", "sat", "ran", "on", "under", "mat", "tree", "is",
+              "was", "big", "small", "red", "blue", "what", "where", "why", "how", "did", "it",
+              "go", "see", "yes", "no", "maybe", "please", "thanks", "hello")
+CHAT_SPECIAL = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' }} "
+                 "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }} <|end|>"
+                 "{% endgeneration %}{% else %}{{ m['content'] }} <|end|>{% endif %} "
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+def demo_tokenizer(words=CHAT_WORDS, template: str = CHAT_TEMPLATE):
+    """A small offline word-level chat tokenizer: ``<unk>`` 0, ``CHAT_SPECIAL`` 1..4, then
+    ``words``; ``template`` its chat template (the demo's and the tests' stand-in for a real
+    model's tokenizer, which needs a download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", *CHAT_SPECIAL, *words])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<unk>")
+    fast.add_special_tokens({"additional_special_tokens": list(CHAT_SPECIAL)})
+    fast.chat_template = template
+    return fast
+
+
+def run_chat_demo(world: int, out_dir: str, *, steps: int = 20, verbose: bool = True) -> dict:
+    """The path users take, small: the demo's target saved as a local model directory with a
+    chat tokenizer, 32 synthetic conversations as JSON lines, packed training under CP on
+    ``world`` ranks (``python -m ringattn.eagle3.train --target ... --data ... --pack``),
+    the exported SGLang draft loaded back and used for speculative decoding.
+
+    Returns:
+        dict: ``losses``, ``exported`` (the two export directories), ``generation_ok``
+        (speculative decoding reproduced the target's greedy tokens).
+    """
+    import json
+
+    import torch
+
+    from .evaluate import speculative_generate
+    from .export import load_draft
+    from .train import build_target
+
+    base = Eagle3Config()
+    target_dir, chat_dir = os.path.join(out_dir, "target"), os.path.join(out_dir, "chat")
+    target = build_target(base, "sdpa")
+    target.save_pretrained(target_dir)
+    demo_tokenizer().save_pretrained(target_dir)
+    gen = torch.Generator().manual_seed(11)
+
+    def words(n):
+        return " ".join(CHAT_WORDS[i] for i in torch.randint(len(CHAT_WORDS), (n,), generator=gen))
+
+    data = os.path.join(out_dir, "chats.jsonl")
+    with open(data, "w") as f:
+        for c in range(32):
+            turns = [{"role": "user", "content": words(4 + c % 5)},
+                     {"role": "assistant", "content": words(6 + c % 7)}]
+            f.write(json.dumps({"messages": turns}) + "\n")
+    cfg = Eagle3Config(target=target_dir, data=data, pack=True, batch=1, seqlen=96,
+                       steps=steps, draft_vocab=24)
+    res = spawn_eagle3(cfg, world=world, progress=verbose, out_dir=chat_dir)
+    draft = load_draft(os.path.join(chat_dir, "draft-sglang"),
+                       embed_tokens=target.get_input_embeddings().weight.detach())
+    prompt = demo_tokenizer().apply_chat_template(
+        [{"role": "user", "content": words(5)}], add_generation_prompt=True, tokenize=True,
+        return_dict=True)["input_ids"]
+    got, _ = speculative_generate(target, draft.eval(), torch.tensor(prompt), max_new_tokens=12)
+    want = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    out = {"losses": res["loss"], "generation_ok": got == want[:len(got)] and len(got) == 12,
+           "exported": [os.path.join(chat_dir, f"draft-{f}") for f in ("sglang", "speculators")]}
+    if verbose:
+        print(f"chat data: {len(res['loss'])} packed steps under CP on {world} ranks from "
+              f"{target_dir} and {data}, loss {res['loss'][0]:.3f} -> {res['loss'][-1]:.3f}; "
+              f"exported {out['exported'][0]} and {out['exported'][1]}; speculative decoding "
+              f"with it reproduces the target's greedy tokens: {out['generation_ok']}")
+    return out
+
+
 DRAFT_LEN = 4
 """Proposals per speculative-decoding round in the demo's acceptance measurement."""
 
@@ -173,6 +254,11 @@ def run_eagle3_demo(world: int = 2, steps: int = Eagle3Config.steps, out_dir: st
         **run_costs(cp, single, t0),
         "failures": failures,
     }
+    chat = run_chat_demo(world, out_dir, verbose=verbose)
+    result["chat"] = chat
+    if not chat["generation_ok"]:
+        failures.append("speculative decoding with the chat-trained draft did not reproduce "
+                        "the target's greedy tokens")
     save_result(result, out_dir, "eagle3", _plot)
     if verbose:
         print(f"{'step':>5}  {'CP loss':>10}  {'one-process':>11}  {'rel diff':>9}  "
