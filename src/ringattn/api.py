@@ -550,7 +550,11 @@ class _Topology:
         flat, ring, uly = mesh_groups(mesh)
         t = _Topology(flat, uly, dist.get_rank(uly), dist.get_world_size(uly), ring,
                       dist.get_rank(ring), dist.get_world_size(ring), mesh=True)
-        assert dist.get_rank(flat) == t.r * t.U + t.u, "a mesh flattened row-major"
+        if dist.get_rank(flat) != t.r * t.U + t.u:  # shard index = ring_rank * U + ulysses_rank
+            raise ValueError(
+                f"the mesh's flattened group puts this rank at {dist.get_rank(flat)}, not at "
+                f"ring_rank * U + ulysses_rank = {t.r} * {t.U} + {t.u}: make the mesh with "
+                f"dims {HYBRID_DIMS} in that order (ra.hybrid_mesh)")
         return t
 
 

@@ -62,8 +62,10 @@ def load_target(path: str, *, dtype: str = "float32", attn_implementation: str =
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=_DTYPES[dtype], attn_implementation=attn_implementation,
             local_files_only=True)
-    except Exception:
-        if ring:  # some classes fail in their constructor: say why instead, if we know
+    except (KeyError, ValueError, TypeError, AttributeError):
+        # classes that compute attention themselves fail in their constructor when asked
+        # for a registered name (Falcon's and GPT-Neo's bare KeyError): say why, if we know
+        if ring:
             import transformers
 
             config = AutoConfig.from_pretrained(path, local_files_only=True)
