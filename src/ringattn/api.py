@@ -19,8 +19,8 @@ from .comm import HYBRID_DIMS, LocalComm, RingComm, agree, is_hybrid_mesh, mesh_
 from .kernels import available_kernels, get_kernel
 from .layouts import DEFAULT_LAYOUT, LAYOUTS, Layout, get_layout, grouped, local_positions
 from .masks import (Mask, check_cu_seqlens, document, fingerprint, head_offset, mask_key,
-                    registered_mask, sliding_window)
-from .plan import Plan, make_plan
+                    registered_mask, sliding_window, value_digest)
+from .plan import Plan, make_plan, view_digest
 from .ring import BACKWARD_OVERLAP, Ring, attention_backward, attention_forward
 from .sharding import SHARD_TAG
 from .spec import AttnSpec, accumulator_dtype
@@ -74,7 +74,7 @@ def _describe(name: str, value: int) -> str:
     if name == "kernel":
         return repr(available_kernels()[value]) if value < len(available_kernels()) else "a custom kernel"
     if name == "mask":
-        return f"a mask with digest {value} (a mask function that reads rank-local data?)"
+        return f"a mask with digest {value}"
     if name == "cu_seqlens":
         return "none" if value == -2 else f"cu_seqlens with digest {value}"
     if name == "sinks":
@@ -247,7 +247,8 @@ def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seql
                       | ({"alibi"} if slopes is not None else set())
                       | ({"value_dim"} if v.shape[3] != d else set()))
     kern = get_kernel(kernel, q.device, q.dtype, general=general, needs=needs)
-    digest = fingerprint(full_mask, seqlen, b, h, q.device)
+    digest = fingerprint(full_mask, seqlen, b, h, q.device)  # the plan cache's key
+    valued = value_digest(full_mask)  # exact for masks made of values; None for functions
     plan = None if not plan_ring else make_plan(
         lay, full_mask, world, comm.rank, seqlen, batch=b, heads=h, device=q.device,
         tile=getattr(kern, "tile", (256, 128)), digest=digest)
@@ -265,7 +266,8 @@ def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seql
         "needs_grad": int(torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, k, v, sinks))),
         "cu_seqlens": cu_digest,  # before the mask: documents are part of the mask's digest
-        "mask": digest,
+        "mask": digest if valued is None else valued,
+        "mask_view": 0, "mask_next_view": 0,  # set by _agreed for masks with functions
         "last_step": 0 if plan is None else plan.last_step,
         "return_lse": int(bool(return_lse)),
         "strategy": 0, "grads": 0, "heads_k_stride": 0,  # set by the strategies
@@ -299,7 +301,8 @@ _FIELD_NAMES = (
     "alibi_slopes",
     "dtype", "device", "layout",
     "seqlen", "causal", "window_left", "window_right", "softmax_scale", "kernel", "needs_grad",
-    "cu_seqlens", "mask", "last_step", "return_lse", "strategy", "grads", "heads_k_stride",
+    "cu_seqlens", "mask", "mask_view", "mask_next_view", "last_step", "return_lse", "strategy",
+    "grads", "heads_k_stride",
 )
 """What every call agrees on, whatever its strategy (the same row on every rank, so ranks
 that chose different strategies get an error, not mismatched collectives)."""
@@ -583,11 +586,15 @@ def _split_heads_attention(q, k, v, topo: _Topology, *, return_lse, sinks, backw
         lay = grouped(c.layout, topo.U, topo.R)
         spec, plan = _heads_plan(c, lo, hi, lay, topo.R, topo.r, c.fields["batch"], q.device) \
             if hi > lo else (c.spec, Plan(((),) * topo.R))
-        mine.update(split=split, lo=lo, hi=hi, layout=lay, spec=spec)
+        mine.update(split=split, lo=lo, hi=hi, layout=lay, spec=spec, mask=c.mask)
         return plan
 
+    def region(j):  # what flat rank j's plan evaluates: its ring rank's rows, its heads
+        lo_j, hi_j = mine["split"].q_range(j % topo.U)
+        return mine["layout"], head_offset(mine["mask"], lo_j), topo.R, j // topo.U, hi_j - lo_j
+
     _, _, checked, last = _agreed(
-        q, k, v, topo.flat, ("grads", *extra_fields), check, planner=planner,
+        q, k, v, topo.flat, ("grads", *extra_fields), check, planner=planner, region=region,
         return_lse=return_lse, strategy="hybrid" if topo.mesh else "ulysses",
         sinks=sinks, backward_overlap=backward_overlap, **args)
     b, h, s = q.shape[0], q.shape[2], checked.spec.seqlen
@@ -782,12 +789,18 @@ def build_ring(q, k, v, *, group, causal, window_size, softmax_scale, layout, se
 
 
 def _agreed(q, k, v, group, extra_fields, extra_check, *, plan_ring=False, planner=None,
-            backward_overlap="all", strategy="ring", **args):
+            region=None, backward_overlap="all", strategy="ring", **args):
     """Validate this rank's call (planning its ring with ``plan_ring``, or with
     ``planner(checked)`` for strategies whose ring is not over ``group``), add the ints
     ``extra_check()`` returns for ``extra_fields`` (it runs first and may raise only
     TypeError/ValueError), and agree with every rank
     in one metadata exchange: (group, comm, Checked, the last ring step any rank needs).
+
+    A mask with a user function in it is compared on every position a rank's plan
+    evaluates: each rank digests its own region and the next rank's (``region(j)`` ->
+    (layout, mask, ring world, ring rank, heads) of group rank j, after ``planner``; by
+    default rank j's shard of the ring over ``group``, all heads), and ``agree`` compares
+    the two digests of every region.
 
     Raises:
         TypeError, ValueError: the same error on every rank, before any other collective.
@@ -810,10 +823,22 @@ def _agreed(q, k, v, group, extra_fields, extra_check, *, plan_ring=False, plann
         plan = checked.plan if planner is None else planner(checked)
         if planner is not None:
             fields["last_step"] = plan.last_step
+        if comm.world > 1 and value_digest(checked.mask) is None:
+            if region is None:
+                def region(j, c=checked):
+                    return c.layout, c.mask, comm.world, j, c.fields["heads"]
+            s, b, dev = checked.spec.seqlen, checked.fields["batch"], str(q.device)
+            fields["mask_view"], fields["mask_next_view"] = (
+                view_digest(*region(j)[:4], s, b, region(j)[4], dev)
+                for j in (comm.rank, (comm.rank + 1) % comm.world))
         checked = replace(checked, fields=fields, plan=plan)
     except (TypeError, ValueError) as exc:  # reported on every rank by agree() below
         error = exc
-    last = agree(pg, fields, error, _describe, reduce=("last_step",))["last_step"]
+    last = agree(pg, fields, error, _describe, reduce=("last_step",), chained=(
+        ("mask_view", "mask_next_view",
+         "the mask (it evaluates differently on their processes: a mask function that reads "
+         "rank-local data? build it from the same values on every rank) on the positions"),)
+    )["last_step"]
     return pg, comm, checked, last
 
 

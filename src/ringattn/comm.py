@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["HYBRID_DIMS", "PeerError", "RingComm", "LocalComm", "Hop", "agree",
-           "all_gather_single", "get_timeout", "set_timeout",
+           "all_gather_single", "clear_failure", "get_timeout", "set_timeout",
            "control_group", "group_by_name", "hybrid_mesh", "is_hybrid_mesh", "mesh_groups", "metadata_device",
            "reduce_scatter_single", "resolve_group"]
 
@@ -169,7 +169,35 @@ def get_timeout() -> float:
 class PeerError(RuntimeError):
     """A peer rank died, stopped, or never made the matching call: raised where ringattn
     waited for it, naming the peer, the operation and the ring step, with the transport's
-    exception as the cause. The process group cannot be used afterwards (tear it down)."""
+    exception as the cause. The process group cannot be used afterwards (tear it down):
+    messages of the failed call may still be in flight, so every later ringattn call in
+    this process raises a PeerError at once (``clear_failure`` after making new groups)."""
+
+
+_FAILED: list[str] = []
+"""The first PeerError of this process: later calls refuse to run on stale messages."""
+
+
+def _peer_error(message: str) -> PeerError:
+    """A PeerError, remembered so that the next ringattn call fails at once."""
+    if not _FAILED:
+        _FAILED.append(message)
+    return PeerError(message)
+
+
+def clear_failure() -> None:
+    """Forget an earlier ``PeerError`` (call it after destroying the failed process groups
+    and making new ones on every rank)."""
+    _FAILED.clear()
+
+
+def _check_not_failed() -> None:
+    if _FAILED:
+        raise PeerError(
+            f"an earlier ringattn call in this process failed ({_FAILED[0]}); messages of that "
+            f"call may still be in flight, so its process groups are out of step: destroy "
+            f"them (dist.destroy_process_group), make new ones on every rank and call "
+            f"ringattn.comm.clear_failure(), or restart the job")
 
 
 def _wait(req, deadline: float) -> None:
@@ -210,7 +238,7 @@ class Hop:
             try:
                 _wait(req, deadline)
             except RuntimeError as exc:
-                raise PeerError(
+                raise _peer_error(
                     f"ringattn {self.what}: {verb} rank {peer} failed after waiting up to "
                     f"{get_timeout():g} s ({exc}): rank {peer} died, stopped, or left the "
                     f"ring after an error of its own") from exc
@@ -286,7 +314,7 @@ def _exchange(group: dist.ProcessGroup, row: torch.Tensor) -> torch.Tensor:
             first = first or exc
             deadline = time.monotonic()  # the rest: only what has already arrived
     if missing:
-        raise PeerError(
+        raise _peer_error(
             f"ringattn's agreement before the ring (this is rank {dist.get_rank()}): rank(s) "
             f"{missing} of the group never answered within {get_timeout():g} s: they died, "
             f"stopped, or are not making this ringattn call") from first
@@ -294,8 +322,8 @@ def _exchange(group: dist.ProcessGroup, row: torch.Tensor) -> torch.Tensor:
         try:
             _wait(req, time.monotonic() + get_timeout())
         except RuntimeError as exc:
-            raise PeerError(f"ringattn's agreement: a send failed after every peer "
-                            f"answered ({exc})") from exc
+            raise _peer_error(f"ringattn's agreement: a send failed after every peer "
+                              f"answered ({exc})") from exc
     return table
 
 
@@ -337,30 +365,41 @@ def metadata_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
+_CALLS: dict[str, int] = {}
+"""Agreements this process has made per (control) group: every call's sequence number."""
+
+
 def agree(
     group: dist.ProcessGroup,
     fields: dict[str, int],
     error: Exception | None,
     describe=lambda name, value: str(value),
     reduce: tuple[str, ...] = (),
+    chained: tuple[tuple[str, str, str], ...] = (),
 ) -> dict[str, int]:
     """Raise the same exception on every rank if any rank failed or the ranks disagree.
 
-    One exchange of a small int64 CPU vector (an error flag and the ``fields``) with every
-    other rank (point-to-point on the group's ``control_group``: no GPU is waited for, and
-    a rank that never answers within ``get_timeout()`` is named in a ``PeerError``), made before
-    the first ring send, so bad or inconsistent input never leaves a rank waiting for a
-    peer that has already given up. Every rank must pass the same field names; a rank that
-    failed its local checks passes -1 for what it could not compute. Only when some rank
-    failed is a second exchange made, of the error messages, so all ranks can name them.
+    One exchange of a small int64 CPU vector (an error flag, the call's sequence number on
+    this group and the ``fields``) with every other rank (point-to-point on the group's
+    ``control_group``: no GPU is waited for, and a rank that never answers within
+    ``get_timeout()`` is named in a ``PeerError``), made before the first ring send, so bad
+    or inconsistent input never leaves a rank waiting for a peer that has already given up.
+    Every rank must pass the same field names; a rank that failed its local checks passes -1
+    for what it could not compute. Only when some rank failed is a second exchange made, of
+    the error messages, so all ranks can name them.
 
     Fields named in ``reduce`` may differ between ranks; their maximum over the ranks is
-    returned (a dict, the same on every rank).
+    returned (a dict, the same on every rank). Each ``(own, next, what)`` in ``chained``
+    (fields that differ between ranks too) compares rank r's field ``own`` with rank r - 1's field ``next`` (what rank r - 1
+    computed about rank r), for every r; ``what`` says what differs.
 
     Raises:
         ValueError or TypeError: the class of the lowest failing rank's error, with every
-            failing rank's message; ValueError naming the field where ranks disagree.
+            failing rank's message; ValueError naming the field where ranks disagree, or
+            the ranks whose calls are out of step (their sequence numbers differ).
+        PeerError: a rank did not answer, or an earlier call in this process failed.
     """
+    _check_not_failed()
     world = dist.get_world_size(group)
     if world == 1:
         if error is not None:
@@ -368,9 +407,17 @@ def agree(
         return {name: int(fields[name]) for name in reduce}
     names = list(fields)
     flag = 0 if error is None else (2 if isinstance(error, TypeError) else 1)
-    row = torch.tensor([flag, *(int(fields[n]) for n in names)], dtype=torch.int64)
     group = control_group(group)  # CPU tensors: no device sync to read the table
+    seq = _CALLS[group.group_name] = _CALLS.get(group.group_name, 0) + 1
+    row = torch.tensor([flag, seq, *(int(fields[n]) for n in names)], dtype=torch.int64)
     table = _exchange(group, row)
+    if (table[:, 1] != seq).any():
+        at = _by_value({r: int(table[r, 1]) for r in range(world)})
+        raise ValueError(
+            "ringattn calls out of step on this group: "
+            + ", ".join(f"{_ranks(rs)} {'are' if len(rs) > 1 else 'is'} at call {n}" for n, rs in at)
+            + ": every rank must make the same ringattn calls on a group in the same order (a "
+              "rank made an extra call or skipped one, or an earlier failure left it behind)")
     if table[:, 0].any():
         messages: list = [None] * world
         dist.all_gather_object(messages, None if error is None else str(error), group=group)
@@ -380,11 +427,19 @@ def agree(
         # this rank's own exception (with the user's traceback, e.g. a mask that raised)
         # is the cause; other ranks have only the message
         raise cls("; ".join(f"{_ranks(rs)}: {msg}" for msg, rs in said)) from error
-    for i, name in enumerate(names, start=1):
-        col = table[:, i]
-        if name not in reduce and (col != col[0]).any():
+    column = {name: table[:, i] for i, name in enumerate(names, start=2)}
+    per_rank = set(reduce) | {name for pair in chained for name in pair[:2]}
+    for name in names:
+        col = column[name]
+        if name not in per_rank and (col != col[0]).any():
             has = _by_value({r: describe(name, int(col[r])) for r in range(world)})
             values = ", ".join(f"{_ranks(rs)} {'have' if len(rs) > 1 else 'has'} {v}"
                                for v, rs in has)
             raise ValueError(f"ranks disagree on {name}: {values}")
-    return {name: int(table[:, names.index(name) + 1].max()) for name in reduce}
+    for own, nxt, what in chained:
+        pairs = [(r - 1) % world for r in range(world)
+                 if column[own][r] != column[nxt][(r - 1) % world]]
+        if pairs:
+            raise ValueError("; ".join(f"rank {p} and rank {(p + 1) % world} disagree on {what} "
+                                       f"of rank {(p + 1) % world}" for p in pairs))
+    return {name: int(column[name].max()) for name in reduce}

@@ -653,6 +653,27 @@ def evaluate(mask: Mask, seqlen: int, q_pos: torch.Tensor, kv_pos: torch.Tensor,
     return r.expand(shape) & valid
 
 
+_VALUES = (int, float, str, bytes, bool, type(None))
+
+
+def _is_value(key) -> bool:
+    if isinstance(key, tuple):
+        return all(_is_value(x) for x in key)
+    return isinstance(key, _VALUES)
+
+
+@lru_cache(maxsize=256)
+def value_digest(mask: Mask) -> int | None:
+    """A 31-bit digest of what a value-keyed mask computes (its ``key``: masks built by
+    ringattn from plain values, e.g. documents, chunks, key padding, and their
+    combinations), the same on every rank exactly when the values are; None for a mask with
+    a user function in it (``from_function``), which only its evaluations can describe."""
+    key = mask.key()
+    if not _is_value(key):
+        return None
+    return zlib.crc32(repr(key).encode()) & 0x7FFFFFFF
+
+
 def fingerprint(mask: Mask, seqlen: int, batch: int, heads: int, device="cpu") -> int:
     """A 31-bit digest of the mask on a fixed probe of positions, the same on every rank
     for a mask that is the same function everywhere (the ranks compare it before any send).

@@ -11,6 +11,7 @@ reuse one classification.
 from __future__ import annotations
 
 import logging
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
@@ -20,7 +21,7 @@ import torch
 from .layouts import Layout, local_positions
 from .masks import Band, Block, BlockKind, BlockMask, Mask, WindowMask, evaluate
 
-__all__ = ["kv_source", "plan_step", "plan_counts", "make_plan", "Plan"]
+__all__ = ["kv_source", "plan_step", "plan_counts", "make_plan", "Plan", "view_digest"]
 
 
 def kv_source(rank: int, step: int, world: int) -> int:
@@ -370,6 +371,36 @@ def _make_general_plan(layout, mask, world, rank, seqlen, batch, heads, device, 
         for t in range(world)
     )
     return Plan(steps)
+
+
+VIEW_CHUNK = 1 << 22
+"""Mask evaluations per piece of ``view_digest`` (bounds its memory)."""
+
+
+@lru_cache(maxsize=64)
+def view_digest(layout: Layout, mask: Mask, world: int, rank: int, seqlen: int, batch: int,
+                heads: int, device: str) -> int:
+    """A 31-bit digest of the mask over every position rank ``rank``'s plan evaluates: its
+    real query slots (in slot order) against every key position, all batch rows and heads.
+
+    Ranks compare it (rank r's own view against what rank r - 1 computed for rank r) so a
+    mask function that gives different answers on different ranks is reported wherever a
+    rank would use it, not only on ``fingerprint``'s probe. Batch or head dimensions that
+    do not change the answer are collapsed first, so equal bits give equal digests whatever
+    shape the mask function returns. Cached per (mask object, region)."""
+    pos = local_positions(layout, rank, world, seqlen).to(device)
+    rows = pos[pos < seqlen]
+    cols = torch.arange(seqlen, device=device)
+    step = max(1, VIEW_CHUNK // max(1, seqlen * batch * heads))
+    crc = 0
+    for a in range(0, rows.numel(), step):
+        vis = evaluate(mask, seqlen, rows[a:a + step], cols, batch, heads)
+        for dim in (0, 1):
+            if vis.shape[dim] > 1 and bool((vis == vis.narrow(dim, 0, 1)).all()):
+                vis = vis.narrow(dim, 0, 1)
+        crc = zlib.crc32(repr(tuple(vis.shape)).encode(), crc)
+        crc = zlib.crc32(vis.contiguous().cpu().numpy().tobytes(), crc)
+    return crc & 0x7FFFFFFF
 
 
 def make_plan(layout: Layout, mask: Mask, world: int, rank: int, seqlen: int, *,
