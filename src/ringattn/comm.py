@@ -223,7 +223,18 @@ class Hop:
         self.what = what
 
     def start(self) -> "Hop":
-        self._reqs = dist.batch_isend_irecv(self._ops)
+        """Post both directions.
+
+        Raises:
+            PeerError: the transport refused to post them (a connection to a peer is gone).
+        """
+        try:
+            self._reqs = dist.batch_isend_irecv(self._ops)
+        except RuntimeError as exc:
+            raise _peer_error(
+                f"ringattn {self.what}: posting the send to rank {self._peers[0]} and the "
+                f"receive from rank {self._peers[1]} failed ({exc}): one of them died, or an "
+                f"earlier failure closed the connection") from exc
         return self
 
     def wait(self) -> torch.Tensor:
@@ -303,7 +314,13 @@ def _exchange(group: dist.ProcessGroup, row: torch.Tensor) -> torch.Tensor:
            for r in peers]
     ops += [dist.P2POp(dist.irecv, table[r], dist.get_global_rank(group, r), group, AGREE_TAG)
             for r in peers]
-    reqs = _batch_isend_irecv(ops)
+    try:
+        reqs = _batch_isend_irecv(ops)
+    except RuntimeError as exc:
+        raise _peer_error(
+            f"ringattn's agreement before the ring (this is rank {dist.get_rank()}): posting "
+            f"its messages to the other ranks failed ({exc}): a peer died, or an earlier "
+            f"failure closed the connection") from exc
     deadline = time.monotonic() + get_timeout()
     missing, first = [], None
     for r, req in zip(peers, reqs[len(peers):]):
