@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo demo-lm test bench clean
+.PHONY: install demo demo-lm test test-properties bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ demo-lm: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+# the property-based exactness test with 2000 fresh examples per world size (about 10 minutes)
+test-properties: install
+	RINGATTN_PROPERTY_EXAMPLES=2000 $(PY) -m pytest -q tests/distributed/test_properties.py
 
 # Benchmarks (about 45 minutes on 2 cores): JSON + PNG under benchmarks/results/.
 # bench_gpu.py needs a CUDA GPU and is run by hand (benchmarks/README.md).

@@ -112,6 +112,17 @@ def _setup(case, world):
     if name == "sink":
         sink = M.from_function(lambda b, h, q, kv: kv == 0)
         return dict(kw, mask=M.sliding_window(2) | sink), ((j >= i - 2) & (j <= i)) | (j == 0)
+    if name.startswith("random"):  # "random[-heads][&docs]": a table of bits from the seed
+        g = torch.Generator().manual_seed(case.seed)
+        hm = case.heads if "-heads" in name else 1
+        table = torch.rand(hm, s, s, generator=g) < 0.6
+        fn = M.from_function(lambda b, hh, q, kv: table[hh % hm, q, kv])
+        ok = table & causal
+        if "&docs" in name:
+            cu = random_docs(s, case.seed, world)
+            doc = torch.tensor([d for d in range(len(cu) - 1) for _ in range(cu[d], cu[d + 1])])
+            return dict(kw, mask=fn, cu_seqlens=cu), ok & (doc[:, None] == doc[None, :])
+        return dict(kw, mask=fn), ok
     if name == "head-shift":
         h = torch.arange(case.heads).view(case.heads, 1, 1)
         return dict(kw, mask=M.from_function(lambda b, hh, q, kv: kv <= q - hh)), j <= i - h
