@@ -134,7 +134,7 @@ def ring_backward(dout_BLHD, q_BLHD, k_BLHD, v_BLHD, out_BLHD, lse_BHL, ring: Ri
     """
     acc = accumulator_dtype(q_BLHD.dtype)
     steps, scale, overlap = ring.steps, ring.spec.softmax_scale, ring.backward_overlap
-    dq_BLHD = torch.zeros(q_BLHD.shape, dtype=acc, device=q_BLHD.device)
+    dq_BLHD = _Rows(q_BLHD.shape, acc, q_BLHD.device)
     kv, split = _kv_buffer(k_BLHD, v_BLHD, steps)
     dk_width = k_BLHD.shape[3]
     spare = torch.empty_like(kv) if steps > 1 and overlap != "none" else None
@@ -145,8 +145,9 @@ def ring_backward(dout_BLHD, q_BLHD, k_BLHD, v_BLHD, out_BLHD, lse_BHL, ring: Ri
                if more and spare is not None else None)
         dkv = None  # this step's accumulator, holding the contributions of earlier ranks
         if step == 0:  # dK and dV side by side on the head dim: [B, L, Hkv, D + Dv]
-            width = dk_width + v_BLHD.shape[3]
-            dkv = torch.zeros((*k_BLHD.shape[:3], width), dtype=acc, device=k_BLHD.device)
+            shape = (*k_BLHD.shape[:3], dk_width + v_BLHD.shape[3])
+            dkv = (torch.zeros(shape, dtype=acc, device=k_BLHD.device) if steps > 1
+                   else _Rows(shape, acc, k_BLHD.device, split=dk_width))  # never travels
         elif overlap != "all":
             dkv = grad_hop.wait()
         pending = []
@@ -158,7 +159,7 @@ def ring_backward(dout_BLHD, q_BLHD, k_BLHD, v_BLHD, out_BLHD, lse_BHL, ring: Ri
                 out_BLHD[:, rows], lse_BHL[:, :, rows], scale, blk.mask,
                 **ring.kernel_options(step, blk, q_BLHD.device),
             )
-            dq_BLHD[:, rows] += dq
+            dq_BLHD.add(rows, dq)
             pending.append((cols, dk, dv))
             del dq, dk, dv  # held by ``pending`` only, so adding them in releases them
             if dkv is not None:
@@ -180,15 +181,49 @@ def ring_backward(dout_BLHD, q_BLHD, k_BLHD, v_BLHD, out_BLHD, lse_BHL, ring: Ri
             kv, spare = hop.wait(), kv
     if grad_hop is not None:
         dkv = grad_hop.wait()  # our own block's gradients, home after a full turn
-    dq = dq_BLHD if keep_accumulator else dq_BLHD.to(q_BLHD.dtype)
-    dk, dv = dkv[..., :dk_width], dkv[..., dk_width:]
+    dq = dq_BLHD.parts()[0]
+    dq = dq if keep_accumulator else dq.to(q_BLHD.dtype)
+    if isinstance(dkv, _Rows):  # a one-step ring: nothing travelled
+        dk, dv = dkv.parts()
+    else:
+        dk, dv = dkv[..., :dk_width], dkv[..., dk_width:]
     return dq, dk.to(k_BLHD.dtype).contiguous(), dv.to(v_BLHD.dtype).contiguous()
+
+
+class _Rows:
+    """A sum over row ranges (dim 1) made only when needed: the first contribution that
+    covers every row is taken as it is (in the accumulator dtype), so a one-block step (a
+    one-rank ring: Ulysses, all-gather) keeps no zero-filled copy beside the kernel's
+    output. With ``split`` it holds two parts of the last dim apart (dK and dV of a ring
+    whose accumulator never travels)."""
+
+    def __init__(self, shape, dtype, device, split: int | None = None):
+        self.shape, self.dtype, self.device, self.split = tuple(shape), dtype, device, split
+        self._parts = None
+
+    def add(self, rows: slice, *xs) -> None:
+        if self._parts is None and rows.start == 0 and rows.stop == self.shape[1]:
+            self._parts = [x.to(self.dtype) for x in xs]
+            return
+        for part, x in zip(self.parts(), xs):
+            part[:, rows] += x
+
+    def parts(self) -> list[torch.Tensor]:
+        """The sum (two parts with ``split``): zeros if nothing was added."""
+        if self._parts is None:
+            widths = [self.shape[-1]] if self.split is None else [self.split, self.shape[-1] - self.split]
+            self._parts = [torch.zeros((*self.shape[:-1], w), dtype=self.dtype, device=self.device)
+                           for w in widths]
+        return self._parts
 
 
 def _add_block_grads(dkv_BLHE, pending) -> None:
     """Add and release the block gradients in ``pending`` (a list of (cols, dk, dv)) into
-    the [B, L, Hkv, D + Dv] accumulator."""
+    the [B, L, Hkv, D + Dv] accumulator (a tensor, or a ``_Rows`` at step 0)."""
     for cols, dk, dv in pending:
+        if isinstance(dkv_BLHE, _Rows):
+            dkv_BLHE.add(cols, dk, dv)
+            continue
         d = dk.shape[-1]
         dkv_BLHE[:, cols, :, :d] += dk
         dkv_BLHE[:, cols, :, d:] += dv
