@@ -473,7 +473,12 @@ def ulysses_attention(
     Arguments, Returns, Raises: as ``ring_attention`` (no ``backward_overlap``: nothing is
     overlapped). sinks' gradient on each rank covers its own heads; sum it over the group.
     """
-    _not_compiling("ulysses_attention")
+    if torch.compiler.is_compiling():  # one opaque op: see ringattn.ops
+        return compiled_strategy_attention(
+            "ulysses", *autocast_inputs(q, k, v), group=group, causal=causal,
+            window_size=window_size, softmax_scale=softmax_scale, layout=layout, seqlen=seqlen,
+            mask=mask, cu_seqlens=cu_seqlens, return_lse=return_lse, kernel=kernel,
+            softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
     return split_heads_attention(
         q, k, v, group=group, strategy="ulysses", causal=causal, window_size=window_size,
         softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask,
@@ -519,7 +524,12 @@ def hybrid_attention(
     Arguments, Returns, Raises: as ``ring_attention``. sinks' gradient on each rank covers
     its own heads and queries; sum it over the mesh.
     """
-    _not_compiling("hybrid_attention")
+    if torch.compiler.is_compiling():  # one opaque op: see ringattn.ops
+        return compiled_strategy_attention(
+            "hybrid", *autocast_inputs(q, k, v), group=group, causal=causal,
+            window_size=window_size, softmax_scale=softmax_scale, layout=layout, seqlen=seqlen,
+            mask=mask, cu_seqlens=cu_seqlens, return_lse=return_lse, kernel=kernel,
+            softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
     return split_heads_attention(
         q, k, v, group=group, strategy="hybrid", causal=causal, window_size=window_size,
         softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask,
@@ -682,7 +692,12 @@ def allgather_attention(
         heads_k_stride: kv heads gathered at a time (divides Hkv; None: all of them).
     """
     q, k, v = autocast_inputs(q, k, v)
-    _not_compiling("allgather_attention")
+    if torch.compiler.is_compiling():  # one opaque op: see ringattn.ops
+        return compiled_strategy_attention(
+            "allgather", *autocast_inputs(q, k, v), group=group, causal=causal,
+            window_size=window_size, softmax_scale=softmax_scale, layout=layout, seqlen=seqlen,
+            mask=mask, cu_seqlens=cu_seqlens, return_lse=return_lse, kernel=kernel,
+            softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, heads_k_stride=heads_k_stride)
 
     def stride_field():
         if not isinstance(k, torch.Tensor) or k.dim() != 4:
@@ -718,14 +733,6 @@ def allgather_attention(
     with _no_autocast(q.device.type):
         out, lse = allgather_attention_apply(q, k, v, sinks, groups, pg, world, bool(return_lse))
     return (out, lse) if return_lse else out
-
-
-def _not_compiling(name: str) -> None:
-    """Only ring_attention has custom ops for torch.compile so far: refuse the others there
-    (tracing their collectives would break the graph or fail)."""
-    if torch.compiler.is_compiling():
-        raise ValueError(f"{name} cannot run under torch.compile yet; use ring_attention "
-                         f"(strategy='ring'), which compiles as custom ops")
 
 
 def _heads_plan(checked: Checked, lo: int, hi: int, layout: Layout, world: int, rank: int,
@@ -843,7 +850,7 @@ def _agreed(q, k, v, group, extra_fields, extra_check, *, plan_ring=False, plann
 
 
 # the custom ops build on the functions above (torch.compile's entry into the ring)
-from .ops import compiled_ring_attention  # noqa: E402
+from .ops import compiled_ring_attention, compiled_strategy_attention  # noqa: E402
 
 
 STRATEGIES = {"ring": ring_attention, "ulysses": ulysses_attention,

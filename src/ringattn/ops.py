@@ -16,12 +16,21 @@ have fake implementations for shapes:
   0-d tensor) lets it rebuild the ring from the cached plan without a second agreement.
 
 Both call the functions eager calls use (``ring.attention_forward`` / ``attention_backward``):
-one implementation, two entry points. Tensors that carry no value are passed empty
+one implementation, two entry points.
+
+Ulysses, all-gather and the hybrid go through one more pair, ``ringattn::strategy_attention``
+and its backward, which call the eager strategy function itself: the forward without
+autograd, the backward by running that forward again with autograd and differentiating it
+(their intermediate head-sharded tensors are not handed from one op to the other; the cost
+is one more forward and its collectives). Groups and meshes travel as keys of a registry
+(``group_key``). Tensors that carry no value are passed empty
 (``sinks`` without sinks, ``cu_seqlens`` without documents), since an op's outputs and
 inputs must be tensors.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -30,7 +39,7 @@ from .comm import RingComm, group_by_name
 from .masks import registered_mask
 from .ring import Ring, attention_backward, attention_forward
 
-__all__ = ["compiled_ring_attention"]
+__all__ = ["compiled_ring_attention", "compiled_strategy_attention", "group_key"]
 
 
 def _optional(t: torch.Tensor):
@@ -38,10 +47,12 @@ def _optional(t: torch.Tensor):
 
 
 def _call_args(cu_seqlens, group_name, causal, window_left, window_right, softmax_scale,
-               layout, seqlen, mask_key):
-    """The ring_attention arguments the op's plain values stand for."""
+               layout, seqlen, mask_key, resolve=True):
+    """The ring_attention arguments the op's plain values stand for (no ``group`` without
+    ``resolve``)."""
+    group = {"group": group_by_name(group_name)} if resolve else {}
     return dict(
-        group=group_by_name(group_name), causal=causal,
+        **group, causal=causal,
         window_size=(window_left, window_right), softmax_scale=softmax_scale,
         layout=layout, seqlen=None if seqlen < 0 else seqlen,
         mask=None if mask_key < 0 else registered_mask(mask_key),
@@ -149,3 +160,168 @@ def compiled_ring_attention(q, k, v, *, group_name: str, causal: bool, window_si
         -1 if seqlen is None else seqlen, mask_key, softcap, kernel, backward_overlap,
         return_lse)
     return out, lse
+
+
+# ---------------------------------------------------------------------------------------
+# The other strategies (Ulysses, all-gather, the hybrid): one op pair for all of them.
+# ---------------------------------------------------------------------------------------
+
+_GROUPS: dict[str, object] = {}
+"""Groups and meshes handed to compiled calls, by the key ``group_key`` gave them (held, so
+a key is never reused for another object)."""
+
+
+@torch.compiler.assume_constant_result
+def group_key(group) -> str:
+    """A plain key for ``group`` (a ProcessGroup, a DeviceMesh or None), for custom ops; a
+    compiled graph holds it as a constant."""
+    if group is None:
+        return "default"
+    key = f"{type(group).__name__}:{id(group)}"
+    _GROUPS[key] = group
+    return key
+
+
+def _group(key: str):
+    return None if key == "default" else _GROUPS[key]
+
+
+def _strategy_call(q, k, v, sinks, cu_seqlens, alibi_slopes, strategy, group_key_, causal,
+                   window_left, window_right, softmax_scale, layout, seqlen, mask_key,
+                   softcap, kernel, heads_k_stride):
+    """The eager strategy function's (out, lse) for the op's values (one code path with
+    eager calls)."""
+    from .api import STRATEGIES
+
+    args = _call_args(cu_seqlens, "", causal, window_left, window_right, softmax_scale,
+                      layout, seqlen, mask_key, resolve=False)
+    extra = {"heads_k_stride": None if heads_k_stride < 0 else heads_k_stride} \
+        if strategy == "allgather" else {}
+    with torch.autocast(q.device.type, enabled=False):
+        return STRATEGIES[strategy](
+            q, k, v, group=_group(group_key_), **args, return_lse=True, kernel=kernel,
+            softcap=softcap, sinks=_optional(sinks),
+            alibi_slopes=None if alibi_slopes.numel() == 0 else alibi_slopes.tolist(), **extra)
+
+
+@torch.library.custom_op("ringattn::strategy_attention", mutates_args=())
+def _strategy_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+    cu_seqlens: torch.Tensor, alibi_slopes: torch.Tensor, strategy: str, group_key_: str,
+    causal: bool, window_left: int, window_right: int, softmax_scale: float, layout: str,
+    seqlen: int, mask_key: int, softcap: float, kernel: str, heads_k_stride: int,
+    return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        out, lse = _strategy_call(q, k, v, sinks, cu_seqlens, alibi_slopes, strategy,
+                                  group_key_, causal, window_left, window_right,
+                                  softmax_scale, layout, seqlen, mask_key, softcap, kernel,
+                                  heads_k_stride)
+    return out.contiguous(), lse.contiguous()
+
+
+@_strategy_op.register_fake
+def _(q, k, v, sinks, cu_seqlens, alibi_slopes, *plain):
+    b, n, h, _ = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(b, n, h, v.shape[-1]), q.new_empty(b, h, n, dtype=acc)
+
+
+def _autograd_recording():
+    """A guard under which autograd records again inside a custom op's implementation
+    (torch runs it with the autograd dispatch keys excluded). torch has no public way to
+    say so; the dispatch-key guard is private and used here and nowhere else: the exclude
+    set keeps only its autocast keys."""
+    keys = torch._C.DispatchKey
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    keep = torch._C.DispatchKeySet(keys.Undefined)
+    for name in dir(keys):
+        if name.startswith("Autocast") and excluded.has(getattr(keys, name)):
+            keep = keep.add(getattr(keys, name))
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), keep)
+
+
+@torch.library.custom_op("ringattn::strategy_attention_backward", mutates_args=())
+def _strategy_backward_op(
+    dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+    v: torch.Tensor, sinks: torch.Tensor, cu_seqlens: torch.Tensor,
+    alibi_slopes: torch.Tensor, strategy: str, group_key_: str, causal: bool,
+    window_left: int, window_right: int, softmax_scale: float, layout: str, seqlen: int,
+    mask_key: int, softcap: float, kernel: str, heads_k_stride: int, return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # the forward again, with autograd, then its backward: the op pair keeps no Python
+    # state between forward and backward (one more forward, its collectives included)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    has_sinks = sinks.numel() > 0
+    sinks_leaf = sinks.detach().requires_grad_() if has_sinks else sinks
+    with _autograd_recording(), torch.enable_grad():
+        out, lse = _strategy_call(*leaves, sinks_leaf, cu_seqlens, alibi_slopes, strategy,
+                                  group_key_, causal, window_left, window_right,
+                                  softmax_scale, layout, seqlen, mask_key, softcap, kernel,
+                                  heads_k_stride)
+        outputs, grads = [out], [dout]
+        if return_lse:  # the same on every rank, so every rank runs the same collectives
+            outputs.append(lse)
+            grads.append(dlse if dlse.numel() else torch.zeros_like(lse))
+        wrt = leaves + ([sinks_leaf] if has_sinks else [])
+        got = torch.autograd.grad(outputs, wrt, grads, allow_unused=True)
+    got = [torch.zeros_like(x) if g is None else g for g, x in zip(got, wrt)]
+    dsinks = got[3] if has_sinks else sinks.new_empty(0)
+    return tuple(t.contiguous() for t in (*got[:3], dsinks))
+
+
+@_strategy_backward_op.register_fake
+def _(dout, dlse, q, k, v, sinks, *plain):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(sinks)
+
+
+_STRATEGY_PLAIN = ("strategy", "group_key_", "causal", "window_left", "window_right",
+                   "softmax_scale", "layout", "seqlen", "mask_key", "softcap", "kernel",
+                   "heads_k_stride", "return_lse")
+
+
+def _strategy_setup_context(ctx, inputs, output):
+    q, k, v, sinks, cu_seqlens, alibi_slopes, *plain = inputs
+    ctx.save_for_backward(q, k, v, sinks, cu_seqlens, alibi_slopes)
+    ctx.plain = dict(zip(_STRATEGY_PLAIN, plain))
+
+
+def _strategy_backward(ctx, dout, dlse):
+    q, k, v, sinks, cu_seqlens, alibi_slopes = ctx.saved_tensors
+    if dout is None:
+        dout = q.new_zeros(*q.shape[:3], v.shape[-1])
+    if dlse is None or not ctx.plain["return_lse"]:
+        dlse = q.new_empty(0, dtype=torch.float32)
+    dq, dk, dv, dsinks = torch.ops.ringattn.strategy_attention_backward(
+        dout, dlse, q, k, v, sinks, cu_seqlens, alibi_slopes, **ctx.plain)
+    return (dq, dk, dv, dsinks if sinks.numel() else None, None, None,
+            *([None] * len(_STRATEGY_PLAIN)))
+
+
+_strategy_op.register_autograd(_strategy_backward, setup_context=_strategy_setup_context)
+
+
+def compiled_strategy_attention(strategy: str, q, k, v, *, group, causal: bool, window_size,
+                                softmax_scale, layout: str, seqlen, mask, cu_seqlens,
+                                return_lse: bool, kernel, softcap: float, sinks,
+                                alibi_slopes=None, heads_k_stride=None):
+    """``ulysses_attention``, ``allgather_attention`` or ``hybrid_attention`` (``strategy``)
+    under torch.compile: one opaque op whose forward is the eager function's and whose
+    backward runs that forward again with autograd (no Python state crosses from forward
+    to backward; the cost is one more forward, measured in benchmarks/RESULTS.md)."""
+    from .masks import mask_key as key_of
+
+    if kernel is not None and not isinstance(kernel, str):
+        raise TypeError("under torch.compile, kernel must be a name or None")
+    cu = (torch.empty(0, dtype=torch.int64) if cu_seqlens is None
+          else torch.as_tensor(cu_seqlens, dtype=torch.int64))
+    slopes = (torch.empty(0, dtype=torch.float64) if alibi_slopes is None
+              else torch.as_tensor(alibi_slopes, dtype=torch.float64))
+    out, lse = torch.ops.ringattn.strategy_attention(
+        q, k, v, q.new_empty(0) if sinks is None else sinks, cu, slopes, strategy,
+        group_key(group), bool(causal), int(window_size[0]), int(window_size[1]),
+        1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale),
+        layout, -1 if seqlen is None else seqlen,
+        mask if isinstance(mask, int) else key_of(mask), float(softcap), kernel or "auto",
+        -1 if heads_k_stride is None else heads_k_stride, bool(return_lse))
+    return (out, lse) if return_lse else out

@@ -1,5 +1,5 @@
 """torch.compile traces through ring attention: zero graph breaks under fullgraph=True for a
-function that calls ``ring_attention``, for transformers decoder layers compiled one by one
+function that calls ``ring_attention`` (or any other strategy), for transformers decoder layers compiled one by one
 (torchtitan style) and for a whole HF model; the compiled results equal eager ones, and
 batches of the same shape (padding included) compile once.
 
@@ -25,9 +25,14 @@ def _explain_breaks(fn, *args, **kwargs) -> int:
     return torch._dynamo.explain(fn)(*args, **kwargs).graph_break_count
 
 
-def function_cases(layout):
+def function_cases(layout, strategy="ring_attention"):
     """Rank side: for each case, (graph breaks, worst relative difference compiled/eager)."""
     import torch._dynamo
+
+    from test_hybrid import mesh
+
+    attend = getattr(ra, strategy)
+    group = {"group": mesh(2, 2)} if strategy == "hybrid_attention" else {}
 
     world = dist.get_world_size()
     s = 6 * world + 1
@@ -52,7 +57,7 @@ def function_cases(layout):
         lse_out = opts.get("return_lse", False)
 
         def f(q_, k_, v_, sk):
-            res = ra.ring_attention(q_, k_, v_, sinks=sk, **shard_kw, **opts)
+            res = attend(q_, k_, v_, sinks=sk, **shard_kw, **opts, **group)
             out, lse = res if lse_out else (res, None)
             loss = out.square().sum()
             if lse is not None:
@@ -74,9 +79,14 @@ def function_cases(layout):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world,layout", [(2, "zigzag"), (3, "striped")])
-def test_function_compiles_without_graph_breaks(clusters, world, layout):
-    for rank, res in enumerate(clusters(world).run(function_cases, layout, timeout=220)):
+@pytest.mark.parametrize("world,layout,strategy", [
+    (2, "zigzag", "ring_attention"), (3, "striped", "ring_attention"),
+    (3, "zigzag", "ulysses_attention"), (2, "striped", "allgather_attention"),
+    (4, "zigzag", "hybrid_attention")])
+def test_function_compiles_without_graph_breaks(clusters, world, layout, strategy):
+    """Every strategy: the ring as its two custom ops, the others as one op each whose
+    backward runs their forward again (ringattn.ops)."""
+    for rank, res in enumerate(clusters(world).run(function_cases, layout, strategy, timeout=220)):
         for name, (breaks, diff) in res.items():
             assert breaks == 0, (rank, name, breaks)
             assert diff <= 1e-6, (rank, name, diff)
