@@ -31,7 +31,7 @@ test: install
 test-properties: install
 	RINGATTN_PROPERTY_EXAMPLES=2000 $(PY) -m pytest -q tests/distributed/test_properties.py
 
-# Benchmarks (about 45 minutes on 2 cores): JSON + PNG under benchmarks/results/.
+# Benchmarks (about 70 minutes on 2 cores): JSON + PNG under benchmarks/results/.
 # bench_gpu.py needs a CUDA GPU and is run by hand (benchmarks/README.md).
 bench: install
 	$(PY) benchmarks/torch_ring.py
@@ -42,6 +42,9 @@ bench: install
 	$(PY) benchmarks/bench_eagle3.py
 	$(PY) benchmarks/bench_strategies.py
 	$(PY) benchmarks/bench_features.py
+	$(PY) benchmarks/bench_yunchang.py
+	$(PY) benchmarks/bench_soak.py
+	$(PY) benchmarks/bench_host.py
 	$(PY) benchmarks/strategy_table.py
 	-$(PIP) install -q --no-deps yunchang
 	$(PY) benchmarks/bench_yunchang.py

@@ -12,8 +12,9 @@ the adapter expands K/V to H heads first, and the record says so.
 One run, paired rounds (each round times one fwd+bwd of every contender back to back),
 fp32, B=1, H=8, D=64, causal and full, Hkv 8 and 2, W 2, 4, 8, zigzag shards for
 ringattn: ring, Ulysses, all-gather, the hybrid (W/2 x 2 mesh), auto (the cost model's
-choice, measured once per cluster), yunchang. Per-rank peak of allocated tensors for
-ringattn's Ulysses and yunchang's.
+choice, measured once per cluster), yunchang, and PyTorch's own ring (``torch_ring.py``:
+all-gather rotation, head-tail shards when causal, the same CPU flash op). Per-rank peak
+of allocated tensors for ringattn's ring and Ulysses, yunchang's and torch's ring.
 
     python benchmarks/bench_yunchang.py                  # S=8192, 2 rounds: about 15 minutes
     python benchmarks/bench_yunchang.py --smoke          # S=1024, W 2 and 4, 1 round
@@ -33,7 +34,7 @@ from tqdm import tqdm
 
 from common import RESULTS, Cluster, TensorBytes, global_inputs, machine_info, timed, write_json
 
-CONTENDERS = ("ring", "ulysses", "allgather", "hybrid", "auto", "yunchang")
+CONTENDERS = ("ring", "ulysses", "allgather", "hybrid", "auto", "yunchang", "torch-ring")
 
 
 def _yunchang_step(s, causal, hkv):
@@ -93,9 +94,28 @@ def _ringattn_step(name, s, causal, hkv):
     return step
 
 
+def _torch_ring_step(s, causal, hkv):
+    """Rank side: PyTorch's own CP ring (``torch_ring.py``: its templated ring attention
+    with the CPU flash op, all-gather rotation, head-tail shards when causal)."""
+    from torch_ring import shard, torch_ring_attention
+
+    q, k, v, do = (t.transpose(1, 2) for t in global_inputs(s, 8, hkv, 64, torch.float32))
+    shards = [shard(t, causal=causal) for t in (q, k, v, do)]
+    leaves = [t.requires_grad_() for t in shards[:3]]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        torch_ring_attention(*leaves, causal=causal).backward(shards[3])
+
+    return step
+
+
 def _step(name, s, causal, hkv):
     if name == "yunchang":
         return _yunchang_step(s, causal, hkv)[0]
+    if name == "torch-ring":
+        return _torch_ring_step(s, causal, hkv)
     return _ringattn_step(name, s, causal, hkv)
 
 
@@ -157,7 +177,8 @@ def run(s: int, rounds: int, worlds, out_dir: Path) -> dict:
                                 rec["times_s"][n].append(x)
                         bar.update(1)
                     rec["peak_bytes"] = {n: max(cluster.run(peak_task, n, s, causal, hkv))
-                                         for n in ("ulysses", "yunchang") if n in here}
+                                         for n in ("ring", "ulysses", "yunchang", "torch-ring")
+                                         if n in here}
                     bar.update(1)
                     med = {n: statistics.median(v) for n, v in rec["times_s"].items()}
                     ours = [n for n in ("ring", "ulysses", "allgather", "hybrid") if n in med]
@@ -171,6 +192,8 @@ def run(s: int, rounds: int, worlds, out_dir: Path) -> dict:
                                                   rec["times_s"]["yunchang"]))
                         rec["peak ulysses / yunchang"] = (rec["peak_bytes"]["ulysses"]
                                                           / rec["peak_bytes"]["yunchang"])
+                    rec["ring / torch-ring"] = statistics.median(
+                        a / b for a, b in zip(rec["times_s"]["ring"], rec["times_s"]["torch-ring"]))
                     data["cases"].append(rec)
                     write_json(out_dir / "yunchang.json", data)
             finally:
@@ -199,7 +222,7 @@ def plot(data: dict, path: Path) -> None:
     ax.set_xticks(range(len(cases)), labels, rotation=40, ha="right", fontsize=8)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_ylabel("fwd+bwd time / ringattn ring's")
-    ax.set_title(f"ringattn strategies and yunchang's Ulysses, S={data['S']}, fp32, H=8, D=64, "
+    ax.set_title(f"ringattn strategies, yunchang's Ulysses and torch's ring, S={data['S']}, fp32, H=8, D=64, "
                  f"2-core CPU, gloo", fontsize=10)
     ax.legend(fontsize=8, ncol=3)
     fig.tight_layout()
@@ -223,7 +246,8 @@ def main(argv=None) -> None:
         extra = (f"; Ulysses / yunchang {c['ulysses / yunchang']:.2f}, peak "
                  f"{c['peak ulysses / yunchang']:.2f}" if "ulysses / yunchang" in c else "")
         print(f"{name}: fastest {c['fastest_ringattn']}, auto chose {c['auto_chose']} "
-              f"({c['auto / fastest']:.2f}x the fastest){extra}")
+              f"({c['auto / fastest']:.2f}x the fastest){extra}; ring / torch's ring "
+              f"{c['ring / torch-ring']:.2f}")
     print(f"wrote {out / 'yunchang.json'} in {data['elapsed_s']:.0f} s")
 
 
