@@ -27,7 +27,7 @@ demo-lm: install
 test: install
 	$(PY) -m pytest -q tests
 
-# the property-based exactness test with 2000 fresh examples per world size (about 10 minutes)
+# the property-based exactness test with 2000 fresh examples per world size (about 4 minutes)
 test-properties: install
 	RINGATTN_PROPERTY_EXAMPLES=2000 $(PY) -m pytest -q tests/distributed/test_properties.py
 

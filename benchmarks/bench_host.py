@@ -9,8 +9,9 @@ before each):
 
 * ``forward``: ``ring_attention`` without gradients;
 * ``forward+backward``: with gradients and ``backward()``;
-* ``hops``: the hops those calls cannot avoid, alone: one K/V hop (forward), and for the
-  backward one K/V hop plus the dK/dV hop home (the same buffers, ``RingComm.hop``);
+* ``hops``: the hops those calls cannot avoid, alone (the same buffers, ``RingComm.hop``):
+  the forward's K/V hop; for forward+backward also the backward's K/V hop and the two
+  dK/dV hops (on to the next rank, then home);
 * ``agreement``: ``comm.agree`` with the call's fields alone (one exchange);
 * ``local``: what remains of a forward call without communication: validation, plan
   lookup, the kernels and merges (the same call on a one-rank group of this process).
@@ -61,9 +62,11 @@ def measure(iters: int):
     def hops_forward():
         comm.hop(kv, spare, RingComm.KV_TAG).wait()
 
-    def hops_backward():
+    def hops_backward():  # the forward's K/V hop, the backward's, dK/dV on and home
+        comm.hop(kv, spare, RingComm.KV_TAG).wait()
         comm.hop(kv, spare, RingComm.KV_TAG).wait()
         comm.hop(kv, spare, RingComm.GRAD_TAG).wait()
+        comm.hop(kv, spare, RingComm.GRAD_TAG, -1).wait()
 
     def agreement():
         agree(dist.group.WORLD, fields, None)

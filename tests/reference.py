@@ -70,17 +70,19 @@ def reference(q, k, v, dout, ok, scale=None, dlse=None):
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+def rel_err(x: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
     """||x - ref|| / ||ref|| in float64; ||x|| when ref is exactly zero (e.g. the gradient of
     a query that sees a single key), where a relative error is undefined. Infinite entries
-    of ref (lse = -inf of rows that see no key) must be matched exactly by x, else inf."""
+    of ref (lse = -inf of rows that see no key) must be matched exactly by x, else inf.
+    ``floor``: the denominator is at least floor * sqrt(numel) (for lse, a logarithm whose
+    rounding error is absolute: a row whose lse is near 0 has no meaningful relative one)."""
     x, ref = x.detach().double(), ref.detach().double()
     inf = torch.isinf(ref)
     if bool(inf.any()):
         if not torch.equal(x[inf], ref[inf]):
             return float("inf")
         x, ref = x[~inf], ref[~inf]
-    norm = ref.norm()
+    norm = max(float(ref.norm()), floor * ref.numel() ** 0.5)
     if norm == 0:
         return float(x.norm())
     return float((x - ref).norm() / norm)

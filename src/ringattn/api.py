@@ -473,14 +473,8 @@ def ulysses_attention(
     Arguments, Returns, Raises: as ``ring_attention`` (no ``backward_overlap``: nothing is
     overlapped). sinks' gradient on each rank covers its own heads; sum it over the group.
     """
-    if torch.compiler.is_compiling():  # one opaque op: see ringattn.ops
-        return compiled_strategy_attention(
-            "ulysses", *autocast_inputs(q, k, v), group=group, causal=causal,
-            window_size=window_size, softmax_scale=softmax_scale, layout=layout, seqlen=seqlen,
-            mask=mask, cu_seqlens=cu_seqlens, return_lse=return_lse, kernel=kernel,
-            softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
-    return split_heads_attention(
-        q, k, v, group=group, strategy="ulysses", causal=causal, window_size=window_size,
+    return _split_heads_entry(
+        "ulysses", q, k, v, group=group, causal=causal, window_size=window_size,
         softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask,
         cu_seqlens=cu_seqlens, kernel=kernel, return_lse=return_lse, softcap=softcap,
         sinks=sinks, alibi_slopes=alibi_slopes, backward_overlap="all")
@@ -524,17 +518,19 @@ def hybrid_attention(
     Arguments, Returns, Raises: as ``ring_attention``. sinks' gradient on each rank covers
     its own heads and queries; sum it over the mesh.
     """
-    if torch.compiler.is_compiling():  # one opaque op: see ringattn.ops
-        return compiled_strategy_attention(
-            "hybrid", *autocast_inputs(q, k, v), group=group, causal=causal,
-            window_size=window_size, softmax_scale=softmax_scale, layout=layout, seqlen=seqlen,
-            mask=mask, cu_seqlens=cu_seqlens, return_lse=return_lse, kernel=kernel,
-            softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
-    return split_heads_attention(
-        q, k, v, group=group, strategy="hybrid", causal=causal, window_size=window_size,
+    return _split_heads_entry(
+        "hybrid", q, k, v, group=group, causal=causal, window_size=window_size,
         softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask,
         cu_seqlens=cu_seqlens, kernel=kernel, return_lse=return_lse, softcap=softcap,
         sinks=sinks, alibi_slopes=alibi_slopes, backward_overlap=backward_overlap)
+
+
+def _split_heads_entry(strategy: str, q, k, v, **kwargs):
+    """``ulysses_attention`` and ``hybrid_attention``: under torch.compile one opaque op
+    (``ringattn.ops``), else ``split_heads_attention``."""
+    if torch.compiler.is_compiling():
+        return compiled_strategy_attention(strategy, *autocast_inputs(q, k, v), **kwargs)
+    return split_heads_attention(q, k, v, strategy=strategy, **kwargs)
 
 
 @dataclass(frozen=True)

@@ -188,15 +188,16 @@ def _group(key: str):
 
 def _strategy_call(q, k, v, sinks, cu_seqlens, alibi_slopes, strategy, group_key_, causal,
                    window_left, window_right, softmax_scale, layout, seqlen, mask_key,
-                   softcap, kernel, heads_k_stride):
+                   softcap, kernel, heads_k_stride, backward_overlap):
     """The eager strategy function's (out, lse) for the op's values (one code path with
     eager calls)."""
     from .api import STRATEGIES
 
     args = _call_args(cu_seqlens, "", causal, window_left, window_right, softmax_scale,
                       layout, seqlen, mask_key, resolve=False)
-    extra = {"heads_k_stride": None if heads_k_stride < 0 else heads_k_stride} \
-        if strategy == "allgather" else {}
+    extra = ({"heads_k_stride": None if heads_k_stride < 0 else heads_k_stride}
+             if strategy == "allgather" else
+             {"backward_overlap": backward_overlap} if strategy == "hybrid" else {})
     with torch.autocast(q.device.type, enabled=False):
         return STRATEGIES[strategy](
             q, k, v, group=_group(group_key_), **args, return_lse=True, kernel=kernel,
@@ -210,13 +211,13 @@ def _strategy_op(
     cu_seqlens: torch.Tensor, alibi_slopes: torch.Tensor, strategy: str, group_key_: str,
     causal: bool, window_left: int, window_right: int, softmax_scale: float, layout: str,
     seqlen: int, mask_key: int, softcap: float, kernel: str, heads_k_stride: int,
-    return_lse: bool,
+    backward_overlap: str, return_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad():
         out, lse = _strategy_call(q, k, v, sinks, cu_seqlens, alibi_slopes, strategy,
                                   group_key_, causal, window_left, window_right,
                                   softmax_scale, layout, seqlen, mask_key, softcap, kernel,
-                                  heads_k_stride)
+                                  heads_k_stride, backward_overlap)
     return out.contiguous(), lse.contiguous()
 
 
@@ -247,7 +248,8 @@ def _strategy_backward_op(
     v: torch.Tensor, sinks: torch.Tensor, cu_seqlens: torch.Tensor,
     alibi_slopes: torch.Tensor, strategy: str, group_key_: str, causal: bool,
     window_left: int, window_right: int, softmax_scale: float, layout: str, seqlen: int,
-    mask_key: int, softcap: float, kernel: str, heads_k_stride: int, return_lse: bool,
+    mask_key: int, softcap: float, kernel: str, heads_k_stride: int, backward_overlap: str,
+    return_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # the forward again, with autograd, then its backward: the op pair keeps no Python
     # state between forward and backward (one more forward, its collectives included)
@@ -258,7 +260,7 @@ def _strategy_backward_op(
         out, lse = _strategy_call(*leaves, sinks_leaf, cu_seqlens, alibi_slopes, strategy,
                                   group_key_, causal, window_left, window_right,
                                   softmax_scale, layout, seqlen, mask_key, softcap, kernel,
-                                  heads_k_stride)
+                                  heads_k_stride, backward_overlap)
         outputs, grads = [out], [dout]
         if return_lse:  # the same on every rank, so every rank runs the same collectives
             outputs.append(lse)
@@ -277,7 +279,7 @@ def _(dout, dlse, q, k, v, sinks, *plain):
 
 _STRATEGY_PLAIN = ("strategy", "group_key_", "causal", "window_left", "window_right",
                    "softmax_scale", "layout", "seqlen", "mask_key", "softcap", "kernel",
-                   "heads_k_stride", "return_lse")
+                   "heads_k_stride", "backward_overlap", "return_lse")
 
 
 def _strategy_setup_context(ctx, inputs, output):
@@ -304,7 +306,8 @@ _strategy_op.register_autograd(_strategy_backward, setup_context=_strategy_setup
 def compiled_strategy_attention(strategy: str, q, k, v, *, group, causal: bool, window_size,
                                 softmax_scale, layout: str, seqlen, mask, cu_seqlens,
                                 return_lse: bool, kernel, softcap: float, sinks,
-                                alibi_slopes=None, heads_k_stride=None):
+                                alibi_slopes=None, heads_k_stride=None,
+                                backward_overlap: str = "all"):
     """``ulysses_attention``, ``allgather_attention`` or ``hybrid_attention`` (``strategy``)
     under torch.compile: one opaque op whose forward is the eager function's and whose
     backward runs that forward again with autograd (no Python state crosses from forward
@@ -323,5 +326,5 @@ def compiled_strategy_attention(strategy: str, q, k, v, *, group, causal: bool, 
         1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale),
         layout, -1 if seqlen is None else seqlen,
         mask if isinstance(mask, int) else key_of(mask), float(softcap), kernel or "auto",
-        -1 if heads_k_stride is None else heads_k_stride, bool(return_lse))
+        -1 if heads_k_stride is None else heads_k_stride, backward_overlap, bool(return_lse))
     return (out, lse) if return_lse else out
