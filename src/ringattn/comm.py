@@ -427,36 +427,37 @@ def agree(
     group = control_group(group)  # CPU tensors: no device sync to read the table
     seq = _CALLS[group.group_name] = _CALLS.get(group.group_name, 0) + 1
     row = torch.tensor([flag, seq, *(int(fields[n]) for n in names)], dtype=torch.int64)
-    table = _exchange(group, row)
-    if (table[:, 1] != seq).any():
-        at = _by_value({r: int(table[r, 1]) for r in range(world)})
+    table = _exchange(group, row).tolist()  # [W][2 + fields]: plain ints from here on
+    if any(r[1] != seq for r in table):
+        at = _by_value({r: table[r][1] for r in range(world)})
         raise ValueError(
             "ringattn calls out of step on this group: "
             + ", ".join(f"{_ranks(rs)} {'are' if len(rs) > 1 else 'is'} at call {n}" for n, rs in at)
             + ": every rank must make the same ringattn calls on a group in the same order (a "
               "rank made an extra call or skipped one, or an earlier failure left it behind)")
-    if table[:, 0].any():
+    if any(r[0] for r in table):
         messages: list = [None] * world
         dist.all_gather_object(messages, None if error is None else str(error), group=group)
-        failed = [r for r in range(world) if table[r, 0] != 0]
-        cls = TypeError if table[failed[0], 0] == 2 else ValueError
+        failed = [r for r in range(world) if table[r][0] != 0]
+        cls = TypeError if table[failed[0]][0] == 2 else ValueError
         said = _by_value({r: messages[r] for r in failed})
         # this rank's own exception (with the user's traceback, e.g. a mask that raised)
         # is the cause; other ranks have only the message
         raise cls("; ".join(f"{_ranks(rs)}: {msg}" for msg, rs in said)) from error
-    column = {name: table[:, i] for i, name in enumerate(names, start=2)}
+    column = {name: [r[i] for r in table] for i, name in enumerate(names, start=2)}
     per_rank = set(reduce) | {name for pair in chained for name in pair[:2]}
-    for name in names:
-        col = column[name]
-        if name not in per_rank and (col != col[0]).any():
-            has = _by_value({r: describe(name, int(col[r])) for r in range(world)})
-            values = ", ".join(f"{_ranks(rs)} {'have' if len(rs) > 1 else 'has'} {v}"
-                               for v, rs in has)
-            raise ValueError(f"ranks disagree on {name}: {values}")
+    if any(r[2:] != table[0][2:] for r in table):  # then find the fields that differ
+        for name in names:
+            col = column[name]
+            if name not in per_rank and any(x != col[0] for x in col):
+                has = _by_value({r: describe(name, col[r]) for r in range(world)})
+                values = ", ".join(f"{_ranks(rs)} {'have' if len(rs) > 1 else 'has'} {v}"
+                                   for v, rs in has)
+                raise ValueError(f"ranks disagree on {name}: {values}")
     for own, nxt, what in chained:
         pairs = [(r - 1) % world for r in range(world)
                  if column[own][r] != column[nxt][(r - 1) % world]]
         if pairs:
             raise ValueError("; ".join(f"rank {p} and rank {(p + 1) % world} disagree on {what} "
                                        f"of rank {(p + 1) % world}" for p in pairs))
-    return {name: int(column[name].max()) for name in reduce}
+    return {name: max(column[name]) for name in reduce}
