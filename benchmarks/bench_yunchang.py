@@ -152,14 +152,15 @@ def _has_yunchang() -> bool:
     return importlib.util.find_spec("yunchang") is not None
 
 
-def run(s: int, rounds: int, worlds, out_dir: Path) -> dict:
+def run(s: int, rounds: int, worlds, out_dir: Path, masks=("causal", "full")) -> dict:
     names = [n for n in CONTENDERS if n != "yunchang" or _has_yunchang()]
     if "yunchang" not in names:
         print("yunchang is not importable: its rows are left out (pip install --no-deps yunchang)")
     data = {"machine": machine_info(), "S": s, "dtype": "fp32", "H": 8, "D": 64,
             "rounds": rounds, "cases": []}
     t0 = time.monotonic()
-    grid = [(causal, hkv) for causal in (True, False) for hkv in (8, 2)]
+    grid = [(causal, hkv) for causal in (True, False) for hkv in (8, 2)
+            if ("causal" if causal else "full") in masks]
     with tqdm(total=len(worlds) * len(grid) * (rounds + 2), unit="round") as bar:
         for w in worlds:
             cluster = Cluster(w)
@@ -235,11 +236,12 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--masks", nargs="+", default=["causal", "full"], choices=["causal", "full"])
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     s, rounds, worlds = (1024, 1, [2, 4]) if args.smoke else (args.seqlen, args.rounds, args.worlds)
     out = args.out or (RESULTS / "smoke" if args.smoke else RESULTS)
-    data = run(s, rounds, worlds, out)
+    data = run(s, rounds, worlds, out, args.masks)
     plot(data, out / "yunchang.png")
     for c in data["cases"]:
         name = f"W={c['W']} {'causal' if c['causal'] else 'full'} Hkv={c['Hkv']}"

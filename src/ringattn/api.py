@@ -529,7 +529,7 @@ def _split_heads_entry(strategy: str, q, k, v, **kwargs):
     """``ulysses_attention`` and ``hybrid_attention``: under torch.compile one opaque op
     (``ringattn.ops``), else ``split_heads_attention``."""
     if torch.compiler.is_compiling():
-        return compiled_strategy_attention(strategy, *autocast_inputs(q, k, v), **kwargs)
+        return compiled_heads_attention(strategy, *autocast_inputs(q, k, v), **kwargs)
     return split_heads_attention(q, k, v, strategy=strategy, **kwargs)
 
 
@@ -567,17 +567,32 @@ class _Topology:
         return t
 
 
-def _split_heads_attention(q, k, v, topo: _Topology, *, return_lse, sinks, backward_overlap,
-                           extra_kv=(), core=None, extra_fields=(), extra_check=None, **args):
-    """Ulysses over ``topo.uly`` (~H/U heads of the U members' shards on each rank), the ring
-    over ``topo.ring`` on those unions, and back (see ``ulysses_attention`` and
-    ``hybrid_attention``).
+@dataclass(frozen=True)
+class _Heads:
+    """One head-splitting call, agreed: this rank's query heads [lo, hi) of ``split``, the
+    exchanges that move them (None when U = 1) and the ring over the unions."""
 
-    ``extra_kv`` are more [B, L, Hkv, E] tensors sent with K/V (Eagle3's cached keys), and
-    ``core(ring, q, k, v, extra_kv, sinks)`` -> (out, lse or None) replaces the attention
-    on the gathered heads (default: ``_RingAttention``); ``extra_fields``/``extra_check``
-    as ``build_ring``'s."""
-    q, k, v = autocast_inputs(q, k, v)
+    topo: _Topology
+    checked: Checked
+    split: object
+    lo: int
+    hi: int
+    layout: Layout
+    spec: AttnSpec
+    steps: int
+    ex_q: Exchange | None
+    ex_kv: Exchange | None
+
+    def ring(self, backward_overlap: str) -> Ring:
+        comm = LocalComm() if self.topo.R == 1 else RingComm(self.topo.ring)
+        return Ring(comm, self.spec, self.checked.plan, self.checked.kernel, self.steps,
+                    backward_overlap, self.layout)
+
+
+def _heads_setup(q, k, v, topo: _Topology, *, return_lse, sinks, backward_overlap, steps=None,
+                 extra_fields=(), extra_check=None, **args) -> _Heads:
+    """Validate, agree and plan a head-splitting call (``steps`` None), or rebuild one that
+    was agreed in its forward from the cached plan and the ``steps`` it agreed on."""
 
     def check():  # which inputs need a gradient decides which reverse all-to-alls run
         wants = [bool(getattr(t, "requires_grad", False)) for t in (q, k, v, sinks)]
@@ -599,25 +614,52 @@ def _split_heads_attention(q, k, v, topo: _Topology, *, return_lse, sinks, backw
         lo_j, hi_j = mine["split"].q_range(j % topo.U)
         return mine["layout"], head_offset(mine["mask"], lo_j), topo.R, j // topo.U, hi_j - lo_j
 
-    _, _, checked, last = _agreed(
-        q, k, v, topo.flat, ("grads", *extra_fields), check, planner=planner, region=region,
-        return_lse=return_lse, strategy="hybrid" if topo.mesh else "ulysses",
-        sinks=sinks, backward_overlap=backward_overlap, **args)
-    b, h, s = q.shape[0], q.shape[2], checked.spec.seqlen
-    split, lo, hi, lay = mine["split"], mine["lo"], mine["hi"], mine["layout"]
+    if steps is None:
+        _, _, checked, last = _agreed(
+            q, k, v, topo.flat, ("grads", *extra_fields), check, planner=planner, region=region,
+            return_lse=return_lse, strategy="hybrid" if topo.mesh else "ulysses",
+            sinks=sinks, backward_overlap=backward_overlap, **args)
+        steps = last + 1 if topo.R > 1 else 1
+    else:  # agreed in the forward: validation again, no exchange
+        checked = _check_local(
+            q, k, v, RingComm(topo.flat), args["causal"], args["window_size"],
+            args["softmax_scale"], args["layout"], args["seqlen"], args["mask"],
+            args["cu_seqlens"], args["kernel"], backward_overlap, return_lse, topo.flat,
+            args["softcap"], sinks, args["alibi_slopes"], plan_ring=False)
+        checked = replace(checked, plan=planner(checked))
+    split, lay, s = mine["split"], mine["layout"], checked.spec.seqlen
+    ex_q = ex_kv = None
     if topo.U > 1:
         ex_q, ex_kv = (Exchange(topo.uly, topo.u, topo.U, heads, lay, topo.r, topo.R, s)
                        for heads in (split.q_heads, split.kv_heads))
-        # [B, U*L, heads_u, D] each
-        q_f, k_f, v_f, *extra_f = seq_to_heads((ex_q, *[ex_kv] * (2 + len(extra_kv))),
+    return _Heads(topo, checked, split, mine["lo"], mine["hi"], lay, mine["spec"], steps,
+                  ex_q, ex_kv)
+
+
+def _split_heads_attention(q, k, v, topo: _Topology, *, return_lse, sinks, backward_overlap,
+                           extra_kv=(), core=None, extra_fields=(), extra_check=None, **args):
+    """Ulysses over ``topo.uly`` (~H/U heads of the U members' shards on each rank), the ring
+    over ``topo.ring`` on those unions, and back (see ``ulysses_attention`` and
+    ``hybrid_attention``).
+
+    ``extra_kv`` are more [B, L, Hkv, E] tensors sent with K/V (Eagle3's cached keys), and
+    ``core(ring, q, k, v, extra_kv, sinks)`` -> (out, lse or None) replaces the attention
+    on the gathered heads (default: ``_RingAttention``); ``extra_fields``/``extra_check``
+    as ``build_ring``'s."""
+    q, k, v = autocast_inputs(q, k, v)
+    hd = _heads_setup(q, k, v, topo, return_lse=return_lse, sinks=sinks,
+                      backward_overlap=backward_overlap, extra_fields=extra_fields,
+                      extra_check=extra_check, **args)
+    b, h = q.shape[0], q.shape[2]
+    lo, hi, ex_q = hd.lo, hd.hi, hd.ex_q
+    if topo.U > 1:  # [B, U*L, heads_u, D] each
+        q_f, k_f, v_f, *extra_f = seq_to_heads((ex_q, *[hd.ex_kv] * (2 + len(extra_kv))),
                                                q, k, v, *extra_kv)
     else:
         q_f, k_f, v_f, extra_f = q, k, v, list(extra_kv)
     with _no_autocast(q.device.type):
         if hi > lo:
-            comm = LocalComm() if topo.R == 1 else RingComm(topo.ring)
-            ring = Ring(comm, mine["spec"], checked.plan, checked.kernel,
-                        last + 1 if topo.R > 1 else 1, backward_overlap, lay)
+            ring = hd.ring(backward_overlap)
             heads_sinks = None if sinks is None else sinks[lo:hi]
             q_f, k_f, v_f, *extra_f = unit_stride(q_f, k_f, v_f, *extra_f)
             if core is None:
@@ -846,7 +888,8 @@ def _agreed(q, k, v, group, extra_fields, extra_check, *, plan_ring=False, plann
 
 
 # the custom ops build on the functions above (torch.compile's entry into the ring)
-from .ops import compiled_ring_attention, compiled_strategy_attention  # noqa: E402
+from .ops import (compiled_heads_attention, compiled_ring_attention,  # noqa: E402
+                  compiled_strategy_attention)
 
 
 STRATEGIES = {"ring": ring_attention, "ulysses": ulysses_attention,

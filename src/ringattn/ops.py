@@ -18,12 +18,13 @@ have fake implementations for shapes:
 Both call the functions eager calls use (``ring.attention_forward`` / ``attention_backward``):
 one implementation, two entry points.
 
-Ulysses, all-gather and the hybrid go through one more pair, ``ringattn::strategy_attention``
-and its backward, which call the eager strategy function itself: the forward without
-autograd, the backward by running that forward again with autograd and differentiating it
-(their intermediate head-sharded tensors are not handed from one op to the other; the cost
-is one more forward and its collectives). Groups and meshes travel as keys of a registry
-(``group_key``). Tensors that carry no value are passed empty
+Ulysses and the hybrid have their own pair, ``ringattn::heads_attention`` and its backward:
+the forward op also returns the head-sharded q, k, v, out and lse it attended with (what
+eager autograd would save), and the backward op runs the all-to-alls and the ring's backward
+on them. All-gather goes through ``ringattn::strategy_attention``, which calls the eager
+function: the forward without autograd, the backward by running that forward again with
+autograd and differentiating it (one more forward; its eager backward gathers K/V again
+anyway). Groups and meshes travel as keys of a registry (``group_key``). Tensors that carry no value are passed empty
 (``sinks`` without sinks, ``cu_seqlens`` without documents), since an op's outputs and
 inputs must be tensors.
 """
@@ -34,12 +35,15 @@ import math
 
 import torch
 
-from .api import _check_local, build_ring
-from .comm import RingComm, group_by_name
+from .api import _check_local, build_ring, unit_stride
+from .comm import RingComm, group_by_name, resolve_group
 from .masks import registered_mask
 from .ring import Ring, attention_backward, attention_forward
+from .spec import accumulator_dtype
+from .ulysses import _gather, _scatter
 
-__all__ = ["compiled_ring_attention", "compiled_strategy_attention", "group_key"]
+__all__ = ["compiled_heads_attention", "compiled_ring_attention", "compiled_strategy_attention",
+           "group_key"]
 
 
 def _optional(t: torch.Tensor):
@@ -327,4 +331,194 @@ def compiled_strategy_attention(strategy: str, q, k, v, *, group, causal: bool, 
         layout, -1 if seqlen is None else seqlen,
         mask if isinstance(mask, int) else key_of(mask), float(softcap), kernel or "auto",
         -1 if heads_k_stride is None else heads_k_stride, backward_overlap, bool(return_lse))
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------
+# Ulysses and the hybrid: an op pair that hands the head-sharded tensors to the backward.
+# ---------------------------------------------------------------------------------------
+
+
+def _heads_call(q, k, v, sinks, cu_seqlens, alibi_slopes, strategy, group_key_, causal,
+                window_left, window_right, softmax_scale, layout, seqlen, mask_key, softcap,
+                kernel, backward_overlap, return_lse, steps=None):
+    """``api._heads_setup`` for the op's values: agreed (forward) or rebuilt (``steps``)."""
+    from .api import _heads_setup, _Topology
+
+    group = _group(group_key_)
+    topo = (_Topology.hybrid(group) if strategy == "hybrid"
+            else _Topology.ulysses(resolve_group(group)))
+    args = _call_args(cu_seqlens, "", causal, window_left, window_right, softmax_scale,
+                      layout, seqlen, mask_key, resolve=False)
+    return _heads_setup(
+        q, k, v, topo, return_lse=return_lse, sinks=_optional(sinks),
+        backward_overlap=backward_overlap, steps=steps, kernel=kernel, softcap=softcap,
+        alibi_slopes=None if alibi_slopes.numel() == 0 else alibi_slopes.tolist(), **args)
+
+
+def _lse_to_seq(lse_BHL, ex, heads):
+    return _gather(lse_BHL.transpose(1, 2).unsqueeze(-1).contiguous(), ex, heads).squeeze(-1).transpose(1, 2)
+
+
+def _lse_to_heads(lse_BHL, ex):
+    return _scatter(lse_BHL.transpose(1, 2).unsqueeze(-1).contiguous(), ex).squeeze(-1).transpose(1, 2)
+
+
+@torch.library.custom_op("ringattn::heads_attention", mutates_args=())
+def _heads_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+    cu_seqlens: torch.Tensor, alibi_slopes: torch.Tensor, strategy: str, group_key_: str,
+    causal: bool, window_left: int, window_right: int, softmax_scale: float, layout: str,
+    seqlen: int, mask_key: int, softcap: float, kernel: str, backward_overlap: str,
+    return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor, torch.Tensor]:
+    hd = _heads_call(q, k, v, sinks, cu_seqlens, alibi_slopes, strategy, group_key_, causal,
+                     window_left, window_right, softmax_scale, layout, seqlen, mask_key,
+                     softcap, kernel, backward_overlap, return_lse)
+    b, h = q.shape[0], q.shape[2]
+    split = hd.topo.U > 1
+    with torch.autocast(q.device.type, enabled=False):
+        q_f, k_f, v_f = ((_scatter(q, hd.ex_q), _scatter(k, hd.ex_kv), _scatter(v, hd.ex_kv))
+                         if split else (q, k, v))
+        q_f, k_f, v_f = unit_stride(q_f, k_f, v_f)
+        if hd.hi > hd.lo:
+            heads_sinks = None if sinks.numel() == 0 else sinks[hd.lo:hd.hi]
+            out_f, lse_f = attention_forward(q_f, k_f, v_f, heads_sinks, hd.ring(backward_overlap))
+        else:
+            out_f = q_f.new_zeros(b, q_f.shape[1], 0, v.shape[3])
+            lse_f = q_f.new_zeros(b, 0, q_f.shape[1], dtype=accumulator_dtype(q.dtype))
+        if not split:  # nothing moved: the backward takes q, k, v, out, lse themselves
+            empty = q.new_empty(0)
+            return (out_f.contiguous(), lse_f.contiguous(), empty, empty.clone(), empty.clone(),
+                    empty.clone(), lse_f.new_empty(0), torch.tensor(hd.steps))
+        out, lse = _gather(out_f, hd.ex_q, h), _lse_to_seq(lse_f, hd.ex_q, h)
+    return (out.contiguous(), lse.contiguous(), q_f.contiguous(), k_f.contiguous(),
+            v_f.contiguous(), out_f.contiguous(), lse_f.contiguous(), torch.tensor(hd.steps))
+
+
+@_heads_op.register_fake
+def _(q, k, v, sinks, cu_seqlens, alibi_slopes, strategy, group_key_, *plain):
+    from .api import _Topology
+    from .ulysses import head_split
+
+    group = _group(group_key_)
+    topo = (_Topology.hybrid(group) if strategy == "hybrid"
+            else _Topology.ulysses(resolve_group(group)))
+    b, n, h, d = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out, lse = q.new_empty(b, n, h, v.shape[-1]), q.new_empty(b, h, n, dtype=acc)
+    steps = torch.empty((), dtype=torch.int64)
+    if topo.U == 1:
+        empty = q.new_empty(0)
+        return out, lse, empty, empty.clone(), empty.clone(), empty.clone(), lse.new_empty(0), steps
+    split = head_split(h, k.shape[2], topo.U)
+    nq, nkv, m = len(split.q_heads[topo.u]), len(split.kv_heads[topo.u]), topo.U * n
+    return (out, lse, q.new_empty(b, m, nq, d), q.new_empty(b, m, nkv, k.shape[-1]),
+            q.new_empty(b, m, nkv, v.shape[-1]), q.new_empty(b, m, nq, v.shape[-1]),
+            q.new_empty(b, nq, m, dtype=acc), steps)
+
+
+@torch.library.custom_op("ringattn::heads_attention_backward", mutates_args=())
+def _heads_backward_op(
+    dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+    v: torch.Tensor, sinks: torch.Tensor, cu_seqlens: torch.Tensor,
+    alibi_slopes: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, q_f: torch.Tensor,
+    k_f: torch.Tensor, v_f: torch.Tensor, out_f: torch.Tensor, lse_f: torch.Tensor,
+    steps: torch.Tensor, strategy: str, group_key_: str, causal: bool, window_left: int,
+    window_right: int, softmax_scale: float, layout: str, seqlen: int, mask_key: int,
+    softcap: float, kernel: str, backward_overlap: str, return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # validated and agreed in forward: the cached plan and the agreed steps, no exchange
+    hd = _heads_call(q, k, v, sinks, cu_seqlens, alibi_slopes, strategy, group_key_, causal,
+                     window_left, window_right, softmax_scale, layout, seqlen, mask_key,
+                     softcap, kernel, backward_overlap, return_lse, steps=int(steps))
+    h, hkv = q.shape[2], k.shape[2]
+    split = hd.topo.U > 1
+    if return_lse and dlse.numel() == 0:  # every rank moves an lse gradient (zeros here)
+        dlse = torch.zeros_like(lse)
+    with torch.autocast(q.device.type, enabled=False):
+        if split:
+            dout_f = _scatter(dout.contiguous(), hd.ex_q)
+            dlse_f = _lse_to_heads(dlse, hd.ex_q) if return_lse else None
+        else:
+            q_f, k_f, v_f, out_f, lse_f = q, k, v, out, lse
+            dout_f, dlse_f = dout.contiguous(), (dlse if return_lse else None)
+        dsinks = None
+        if hd.hi > hd.lo:
+            heads_sinks = None if sinks.numel() == 0 else sinks[hd.lo:hd.hi]
+            dq_f, dk_f, dv_f, dsinks_h = attention_backward(
+                hd.ring(backward_overlap), return_lse, q_f, k_f, v_f, out_f, lse_f,
+                heads_sinks, dout_f, dlse_f, heads_sinks is not None)
+            if dsinks_h is not None:
+                dsinks = sinks.new_zeros(h)
+                dsinks[hd.lo:hd.hi] = dsinks_h
+        else:
+            dq_f, dk_f, dv_f = (torch.zeros_like(t) for t in (q_f, k_f, v_f))
+        if split:
+            dq = _gather(dq_f.contiguous(), hd.ex_q, h)
+            dk, dv = (_gather(t.contiguous(), hd.ex_kv, hkv) for t in (dk_f, dv_f))
+        else:
+            dq, dk, dv = dq_f, dk_f, dv_f
+    if dsinks is None:
+        dsinks = sinks.new_zeros(h) if sinks.numel() else sinks.new_empty(0)
+    return tuple(t.contiguous() for t in (dq, dk, dv, dsinks))
+
+
+@_heads_backward_op.register_fake
+def _(dout, dlse, q, k, v, sinks, *rest):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(sinks)
+
+
+_HEADS_PLAIN = ("strategy", "group_key_", "causal", "window_left", "window_right",
+                "softmax_scale", "layout", "seqlen", "mask_key", "softcap", "kernel",
+                "backward_overlap", "return_lse")
+
+
+def _heads_setup_context(ctx, inputs, output):
+    q, k, v, sinks, cu_seqlens, alibi_slopes, *plain = inputs
+    out, lse, q_f, k_f, v_f, out_f, lse_f, steps = output
+    ctx.save_for_backward(q, k, v, sinks, cu_seqlens, alibi_slopes, out, lse, q_f, k_f, v_f,
+                          out_f, lse_f, steps)
+    ctx.plain = dict(zip(_HEADS_PLAIN, plain))
+
+
+def _heads_backward(ctx, dout, dlse, *_unused):
+    q, k, v, sinks, cu, slopes, out, lse, q_f, k_f, v_f, out_f, lse_f, steps = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    if dlse is None or not ctx.plain["return_lse"]:
+        dlse = lse.new_empty(0)
+    dq, dk, dv, dsinks = torch.ops.ringattn.heads_attention_backward(
+        dout, dlse, q, k, v, sinks, cu, slopes, out, lse, q_f, k_f, v_f, out_f, lse_f, steps,
+        **ctx.plain)
+    return (dq, dk, dv, dsinks if sinks.numel() else None, None, None,
+            *([None] * len(_HEADS_PLAIN)))
+
+
+_heads_op.register_autograd(_heads_backward, setup_context=_heads_setup_context)
+
+
+def compiled_heads_attention(strategy: str, q, k, v, *, group, causal: bool, window_size,
+                             softmax_scale, layout: str, seqlen, mask, cu_seqlens,
+                             return_lse: bool, kernel, softcap: float, sinks,
+                             alibi_slopes=None, backward_overlap: str = "all"):
+    """``ulysses_attention`` / ``hybrid_attention`` (``strategy``) under torch.compile: the
+    forward op returns the head-sharded q, k, v, out and lse it computed with, and the
+    backward op runs the ring's backward on them (no forward again)."""
+    from .masks import mask_key as key_of
+
+    if kernel is not None and not isinstance(kernel, str):
+        raise TypeError("under torch.compile, kernel must be a name or None")
+    cu = (torch.empty(0, dtype=torch.int64) if cu_seqlens is None
+          else torch.as_tensor(cu_seqlens, dtype=torch.int64))
+    slopes = (torch.empty(0, dtype=torch.float64) if alibi_slopes is None
+              else torch.as_tensor(alibi_slopes, dtype=torch.float64))
+    out, lse, *_ = torch.ops.ringattn.heads_attention(
+        q, k, v, q.new_empty(0) if sinks is None else sinks, cu, slopes, strategy,
+        group_key(group), bool(causal), int(window_size[0]), int(window_size[1]),
+        1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale),
+        layout, -1 if seqlen is None else seqlen,
+        mask if isinstance(mask, int) else key_of(mask), float(softcap), kernel or "auto",
+        backward_overlap, bool(return_lse))
     return (out, lse) if return_lse else out

@@ -44,14 +44,17 @@ def function_cases(layout, strategy="ring_attention"):
         "docs-sinks": dict(causal=True, cu_seqlens=cu, sinks=True),
         "softcap-alibi-mask-mla": dict(causal=True, softcap=2.0, mask=ra.masks.prefix_lm(3),
                                        alibi_slopes=[0.5, 0.25, 0.125, 0.0625], mla=True),
+        # 2 query heads, 1 kv head: with Ulysses on 3 ranks one rank attends no head
+        "two-heads-sinks-lse": dict(causal=True, heads=(2, 1), sinks=True, return_lse=True),
     }
     results = {}
     for name, opts in cases.items():
         opts = dict(opts)
         dv = 8 if opts.pop("mla", False) else 16
-        q, k = torch.randn(2, s, 4, 16, generator=g), torch.randn(2, s, 2, 16, generator=g)
-        v = torch.randn(2, s, 2, dv, generator=g)
-        sinks = torch.randn(4, generator=g).requires_grad_() if opts.pop("sinks", False) else None
+        h, hkv = opts.pop("heads", (4, 2))
+        q, k = torch.randn(2, s, h, 16, generator=g), torch.randn(2, s, hkv, 16, generator=g)
+        v = torch.randn(2, s, hkv, dv, generator=g)
+        sinks = torch.randn(h, generator=g).requires_grad_() if opts.pop("sinks", False) else None
         shard_kw = dict(layout=layout, seqlen=s, cu_seqlens=opts.pop("cu_seqlens", None))
         leaves = [ra.shard(t, **shard_kw).detach().requires_grad_() for t in (q, k, v)]
         lse_out = opts.get("return_lse", False)
@@ -71,7 +74,9 @@ def function_cases(layout, strategy="ring_attention"):
                     t.grad = None
             out, loss = run(*leaves, sinks)
             loss.backward()
-            grads.append([out.detach()] + [t.grad.clone() for t in (*leaves, sinks) if t is not None])
+            grads.append([out.detach()] + [  # a rank without heads: no sinks gradient (eager)
+                torch.zeros_like(t) if t.grad is None else t.grad.clone()
+                for t in (*leaves, sinks) if t is not None])
         diff = max(rel_err(a, b) for a, b in zip(*grads))
         results[name] = (_explain_breaks(f, *leaves, sinks), diff)
     torch._dynamo.reset()
@@ -84,8 +89,8 @@ def function_cases(layout, strategy="ring_attention"):
     (3, "zigzag", "ulysses_attention"), (2, "striped", "allgather_attention"),
     (4, "zigzag", "hybrid_attention")])
 def test_function_compiles_without_graph_breaks(clusters, world, layout, strategy):
-    """Every strategy: the ring as its two custom ops, the others as one op each whose
-    backward runs their forward again (ringattn.ops)."""
+    """Every strategy: the ring, Ulysses and the hybrid as forward/backward op pairs,
+    all-gather as one op whose backward runs its forward again (ringattn.ops)."""
     for rank, res in enumerate(clusters(world).run(function_cases, layout, strategy, timeout=220)):
         for name, (breaks, diff) in res.items():
             assert breaks == 0, (rank, name, breaks)
