@@ -307,6 +307,21 @@ def _strategy_backward(ctx, dout, dlse):
 _strategy_op.register_autograd(_strategy_backward, setup_context=_strategy_setup_context)
 
 
+def _op_tensors(kernel, cu_seqlens, alibi_slopes):
+    """(cu_seqlens, alibi_slopes) as the tensors the ops take (empty for None).
+
+    Raises:
+        TypeError: a kernel object (compiled calls name kernels).
+    """
+    if kernel is not None and not isinstance(kernel, str):
+        raise TypeError("under torch.compile, kernel must be a name or None")
+    cu = (torch.empty(0, dtype=torch.int64) if cu_seqlens is None
+          else torch.as_tensor(cu_seqlens, dtype=torch.int64))
+    slopes = (torch.empty(0, dtype=torch.float64) if alibi_slopes is None
+              else torch.as_tensor(alibi_slopes, dtype=torch.float64))
+    return cu, slopes
+
+
 def compiled_strategy_attention(strategy: str, q, k, v, *, group, causal: bool, window_size,
                                 softmax_scale, layout: str, seqlen, mask, cu_seqlens,
                                 return_lse: bool, kernel, softcap: float, sinks,
@@ -318,12 +333,7 @@ def compiled_strategy_attention(strategy: str, q, k, v, *, group, causal: bool, 
     to backward; the cost is one more forward, measured in benchmarks/RESULTS.md)."""
     from .masks import mask_key as key_of
 
-    if kernel is not None and not isinstance(kernel, str):
-        raise TypeError("under torch.compile, kernel must be a name or None")
-    cu = (torch.empty(0, dtype=torch.int64) if cu_seqlens is None
-          else torch.as_tensor(cu_seqlens, dtype=torch.int64))
-    slopes = (torch.empty(0, dtype=torch.float64) if alibi_slopes is None
-              else torch.as_tensor(alibi_slopes, dtype=torch.float64))
+    cu, slopes = _op_tensors(kernel, cu_seqlens, alibi_slopes)
     out, lse = torch.ops.ringattn.strategy_attention(
         q, k, v, q.new_empty(0) if sinks is None else sinks, cu, slopes, strategy,
         group_key(group), bool(causal), int(window_size[0]), int(window_size[1]),
@@ -508,12 +518,7 @@ def compiled_heads_attention(strategy: str, q, k, v, *, group, causal: bool, win
     backward op runs the ring's backward on them (no forward again)."""
     from .masks import mask_key as key_of
 
-    if kernel is not None and not isinstance(kernel, str):
-        raise TypeError("under torch.compile, kernel must be a name or None")
-    cu = (torch.empty(0, dtype=torch.int64) if cu_seqlens is None
-          else torch.as_tensor(cu_seqlens, dtype=torch.int64))
-    slopes = (torch.empty(0, dtype=torch.float64) if alibi_slopes is None
-              else torch.as_tensor(alibi_slopes, dtype=torch.float64))
+    cu, slopes = _op_tensors(kernel, cu_seqlens, alibi_slopes)
     out, lse, *_ = torch.ops.ringattn.heads_attention(
         q, k, v, q.new_empty(0) if sinks is None else sinks, cu, slopes, strategy,
         group_key(group), bool(causal), int(window_size[0]), int(window_size[1]),
