@@ -45,6 +45,7 @@ bench: install
 	$(PY) benchmarks/bench_yunchang.py
 	$(PY) benchmarks/bench_soak.py
 	$(PY) benchmarks/bench_host.py
+	$(PY) benchmarks/bench_compile.py
 	$(PY) benchmarks/strategy_table.py
 	-$(PIP) install -q --no-deps yunchang
 	$(PY) benchmarks/bench_yunchang.py

@@ -16,9 +16,12 @@ before each):
 * ``local``: what remains of a forward call without communication: validation, plan
   lookup, the kernels and merges (the same call on a one-rank group of this process).
 
-The issue's target is forward <= 1.5x its hops. Writes results/host.json.
+The issue's target is forward <= 1.5x its hops. Writes results/host.json. With
+``--profile``, rank 0's forward calls run under cProfile and the functions with the most
+time of their own are printed.
 
     python benchmarks/bench_host.py            # 300 calls each, about 1 minute
+    python benchmarks/bench_host.py --profile  # and where a forward call's time goes
 """
 
 from __future__ import annotations
@@ -85,12 +88,42 @@ def measure(iters: int):
     return out
 
 
+def profile(iters: int) -> str:
+    """Rank side: cProfile of ``iters`` forward calls (printed for rank 0)."""
+    import cProfile
+    import io
+    import pstats
+
+    import ringattn as ra
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (ra.shard(torch.randn(1, S, H, D, generator=g), seqlen=S) for _ in range(3))
+
+    def forward():
+        with torch.no_grad():
+            ra.ring_attention(q, k, v, causal=True, seqlen=S)
+
+    for _ in range(20):
+        forward()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        forward()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
+    return text.getvalue()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     cluster = Cluster(2)
     try:
+        if args.profile:
+            print(cluster.run(profile, args.iters, timeout=1200)[0])
         res = cluster.run(measure, args.iters, timeout=1200)[0]
     finally:
         cluster.close()

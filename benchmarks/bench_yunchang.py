@@ -18,6 +18,7 @@ of allocated tensors for ringattn's ring and Ulysses, yunchang's and torch's rin
 
     python benchmarks/bench_yunchang.py                  # S=8192, 2 rounds: about 15 minutes
     python benchmarks/bench_yunchang.py --smoke          # S=1024, W 2 and 4, 1 round
+    python benchmarks/bench_yunchang.py --peaks-only --worlds 8 --masks full --rounds 2
 
 Writes results/yunchang.json and results/yunchang.png.
 """
@@ -152,6 +153,24 @@ def _has_yunchang() -> bool:
     return importlib.util.find_spec("yunchang") is not None
 
 
+def peaks_only(s: int, rounds: int, worlds, masks) -> None:
+    """Per-rank peaks (MiB) of ringattn's Ulysses and yunchang's, ``rounds`` times per
+    point, printed: how much a peak moves between measurements."""
+    grid = [(causal, hkv) for causal in (True, False) for hkv in (8, 2)
+            if ("causal" if causal else "full") in masks]
+    for w in worlds:
+        cluster = Cluster(w)
+        try:
+            for causal, hkv in grid:
+                for _ in range(rounds):
+                    for n in ("ulysses", "yunchang"):
+                        mib = [round(x / 2**20, 1) for x in cluster.run(peak_task, n, s, causal, hkv)]
+                        print(f"W={w} {'causal' if causal else 'full'} Hkv={hkv} {n}: {mib}",
+                              flush=True)
+        finally:
+            cluster.close()
+
+
 def run(s: int, rounds: int, worlds, out_dir: Path, masks=("causal", "full")) -> dict:
     names = [n for n in CONTENDERS if n != "yunchang" or _has_yunchang()]
     if "yunchang" not in names:
@@ -238,7 +257,11 @@ def main(argv=None) -> None:
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--masks", nargs="+", default=["causal", "full"], choices=["causal", "full"])
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--peaks-only", action="store_true",
+                    help="only the per-rank peaks of Ulysses and yunchang, --rounds times, printed")
     args = ap.parse_args(argv)
+    if args.peaks_only:
+        return peaks_only(args.seqlen, args.rounds, args.worlds, args.masks)
     s, rounds, worlds = (1024, 1, [2, 4]) if args.smoke else (args.seqlen, args.rounds, args.worlds)
     out = args.out or (RESULTS / "smoke" if args.smoke else RESULTS)
     data = run(s, rounds, worlds, out, args.masks)

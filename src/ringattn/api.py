@@ -526,8 +526,8 @@ def hybrid_attention(
 
 
 def _split_heads_entry(strategy: str, q, k, v, **kwargs):
-    """``ulysses_attention`` and ``hybrid_attention``: under torch.compile one opaque op
-    (``ringattn.ops``), else ``split_heads_attention``."""
+    """``ulysses_attention`` and ``hybrid_attention``: under torch.compile their custom op
+    pair (``ringattn.ops``), else ``split_heads_attention``."""
     if torch.compiler.is_compiling():
         return compiled_heads_attention(strategy, *autocast_inputs(q, k, v), **kwargs)
     return split_heads_attention(q, k, v, strategy=strategy, **kwargs)
@@ -731,8 +731,8 @@ def allgather_attention(
     """
     q, k, v = autocast_inputs(q, k, v)
     if torch.compiler.is_compiling():  # one opaque op: see ringattn.ops
-        return compiled_strategy_attention(
-            "allgather", *autocast_inputs(q, k, v), group=group, causal=causal,
+        return compiled_allgather_attention(
+            q, k, v, group=group, causal=causal,
             window_size=window_size, softmax_scale=softmax_scale, layout=layout, seqlen=seqlen,
             mask=mask, cu_seqlens=cu_seqlens, return_lse=return_lse, kernel=kernel,
             softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, heads_k_stride=heads_k_stride)
@@ -874,8 +874,8 @@ def _agreed(q, k, v, group, extra_fields, extra_check, *, plan_ring=False, plann
                     return c.layout, c.mask, comm.world, j, c.fields["heads"]
             s, b, dev = checked.spec.seqlen, checked.fields["batch"], str(q.device)
             fields["mask_view"], fields["mask_next_view"] = (
-                view_digest(*region(j)[:4], s, b, region(j)[4], dev)
-                for j in (comm.rank, (comm.rank + 1) % comm.world))
+                view_digest(lay, m, w, r, s, b, h, dev)
+                for lay, m, w, r, h in map(region, (comm.rank, (comm.rank + 1) % comm.world)))
         checked = replace(checked, fields=fields, plan=plan)
     except (TypeError, ValueError) as exc:  # reported on every rank by agree() below
         error = exc
@@ -888,8 +888,8 @@ def _agreed(q, k, v, group, extra_fields, extra_check, *, plan_ring=False, plann
 
 
 # the custom ops build on the functions above (torch.compile's entry into the ring)
-from .ops import (compiled_heads_attention, compiled_ring_attention,  # noqa: E402
-                  compiled_strategy_attention)
+from .ops import (compiled_allgather_attention, compiled_heads_attention,  # noqa: E402
+                  compiled_ring_attention)
 
 
 STRATEGIES = {"ring": ring_attention, "ulysses": ulysses_attention,

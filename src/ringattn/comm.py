@@ -407,8 +407,9 @@ def agree(
 
     Fields named in ``reduce`` may differ between ranks; their maximum over the ranks is
     returned (a dict, the same on every rank). Each ``(own, next, what)`` in ``chained``
-    (fields that differ between ranks too) compares rank r's field ``own`` with rank r - 1's field ``next`` (what rank r - 1
-    computed about rank r), for every r; ``what`` says what differs.
+    names two fields that differ between ranks too: rank r's ``own`` must equal rank
+    r - 1's ``next`` (what rank r - 1 computed about rank r), for every r; ``what`` says
+    what differs.
 
     Raises:
         ValueError or TypeError: the class of the lowest failing rank's error, with every

@@ -21,7 +21,7 @@ one implementation, two entry points.
 Ulysses and the hybrid have their own pair, ``ringattn::heads_attention`` and its backward:
 the forward op also returns the head-sharded q, k, v, out and lse it attended with (what
 eager autograd would save), and the backward op runs the all-to-alls and the ring's backward
-on them. All-gather goes through ``ringattn::strategy_attention``, which calls the eager
+on them. All-gather goes through ``ringattn::allgather_attention``, which calls the eager
 function: the forward without autograd, the backward by running that forward again with
 autograd and differentiating it (one more forward; its eager backward gathers K/V again
 anyway). Groups and meshes travel as keys of a registry (``group_key``). Tensors that carry no value are passed empty
@@ -42,7 +42,7 @@ from .ring import Ring, attention_backward, attention_forward
 from .spec import accumulator_dtype
 from .ulysses import _gather, _scatter
 
-__all__ = ["compiled_heads_attention", "compiled_ring_attention", "compiled_strategy_attention",
+__all__ = ["compiled_allgather_attention", "compiled_heads_attention", "compiled_ring_attention",
            "group_key"]
 
 
@@ -167,7 +167,7 @@ def compiled_ring_attention(q, k, v, *, group_name: str, causal: bool, window_si
 
 
 # ---------------------------------------------------------------------------------------
-# The other strategies (Ulysses, all-gather, the hybrid): one op pair for all of them.
+# All-gather: one op pair whose backward runs the forward again.
 # ---------------------------------------------------------------------------------------
 
 _GROUPS: dict[str, object] = {}
@@ -190,42 +190,39 @@ def _group(key: str):
     return None if key == "default" else _GROUPS[key]
 
 
-def _strategy_call(q, k, v, sinks, cu_seqlens, alibi_slopes, strategy, group_key_, causal,
-                   window_left, window_right, softmax_scale, layout, seqlen, mask_key,
-                   softcap, kernel, heads_k_stride, backward_overlap):
-    """The eager strategy function's (out, lse) for the op's values (one code path with
-    eager calls)."""
-    from .api import STRATEGIES
+def _allgather_call(q, k, v, sinks, cu_seqlens, alibi_slopes, group_key_, causal,
+                    window_left, window_right, softmax_scale, layout, seqlen, mask_key,
+                    softcap, kernel, heads_k_stride):
+    """The eager ``allgather_attention``'s (out, lse) for the op's values (one code path
+    with eager calls)."""
+    from .api import allgather_attention
 
     args = _call_args(cu_seqlens, "", causal, window_left, window_right, softmax_scale,
                       layout, seqlen, mask_key, resolve=False)
-    extra = ({"heads_k_stride": None if heads_k_stride < 0 else heads_k_stride}
-             if strategy == "allgather" else
-             {"backward_overlap": backward_overlap} if strategy == "hybrid" else {})
     with torch.autocast(q.device.type, enabled=False):
-        return STRATEGIES[strategy](
+        return allgather_attention(
             q, k, v, group=_group(group_key_), **args, return_lse=True, kernel=kernel,
             softcap=softcap, sinks=_optional(sinks),
-            alibi_slopes=None if alibi_slopes.numel() == 0 else alibi_slopes.tolist(), **extra)
+            alibi_slopes=None if alibi_slopes.numel() == 0 else alibi_slopes.tolist(),
+            heads_k_stride=None if heads_k_stride < 0 else heads_k_stride)
 
 
-@torch.library.custom_op("ringattn::strategy_attention", mutates_args=())
-def _strategy_op(
+@torch.library.custom_op("ringattn::allgather_attention", mutates_args=())
+def _allgather_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
-    cu_seqlens: torch.Tensor, alibi_slopes: torch.Tensor, strategy: str, group_key_: str,
+    cu_seqlens: torch.Tensor, alibi_slopes: torch.Tensor, group_key_: str,
     causal: bool, window_left: int, window_right: int, softmax_scale: float, layout: str,
     seqlen: int, mask_key: int, softcap: float, kernel: str, heads_k_stride: int,
-    backward_overlap: str, return_lse: bool,
+    return_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad():
-        out, lse = _strategy_call(q, k, v, sinks, cu_seqlens, alibi_slopes, strategy,
-                                  group_key_, causal, window_left, window_right,
-                                  softmax_scale, layout, seqlen, mask_key, softcap, kernel,
-                                  heads_k_stride, backward_overlap)
+        out, lse = _allgather_call(q, k, v, sinks, cu_seqlens, alibi_slopes, group_key_,
+                                   causal, window_left, window_right, softmax_scale, layout,
+                                   seqlen, mask_key, softcap, kernel, heads_k_stride)
     return out.contiguous(), lse.contiguous()
 
 
-@_strategy_op.register_fake
+@_allgather_op.register_fake
 def _(q, k, v, sinks, cu_seqlens, alibi_slopes, *plain):
     b, n, h, _ = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -246,14 +243,13 @@ def _autograd_recording():
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), keep)
 
 
-@torch.library.custom_op("ringattn::strategy_attention_backward", mutates_args=())
-def _strategy_backward_op(
+@torch.library.custom_op("ringattn::allgather_attention_backward", mutates_args=())
+def _allgather_backward_op(
     dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     v: torch.Tensor, sinks: torch.Tensor, cu_seqlens: torch.Tensor,
-    alibi_slopes: torch.Tensor, strategy: str, group_key_: str, causal: bool,
+    alibi_slopes: torch.Tensor, group_key_: str, causal: bool,
     window_left: int, window_right: int, softmax_scale: float, layout: str, seqlen: int,
-    mask_key: int, softcap: float, kernel: str, heads_k_stride: int, backward_overlap: str,
-    return_lse: bool,
+    mask_key: int, softcap: float, kernel: str, heads_k_stride: int, return_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # the forward again, with autograd, then its backward: the op pair keeps no Python
     # state between forward and backward (one more forward, its collectives included)
@@ -261,10 +257,9 @@ def _strategy_backward_op(
     has_sinks = sinks.numel() > 0
     sinks_leaf = sinks.detach().requires_grad_() if has_sinks else sinks
     with _autograd_recording(), torch.enable_grad():
-        out, lse = _strategy_call(*leaves, sinks_leaf, cu_seqlens, alibi_slopes, strategy,
-                                  group_key_, causal, window_left, window_right,
-                                  softmax_scale, layout, seqlen, mask_key, softcap, kernel,
-                                  heads_k_stride, backward_overlap)
+        out, lse = _allgather_call(*leaves, sinks_leaf, cu_seqlens, alibi_slopes, group_key_,
+                                   causal, window_left, window_right, softmax_scale, layout,
+                                   seqlen, mask_key, softcap, kernel, heads_k_stride)
         outputs, grads = [out], [dout]
         if return_lse:  # the same on every rank, so every rank runs the same collectives
             outputs.append(lse)
@@ -276,35 +271,35 @@ def _strategy_backward_op(
     return tuple(t.contiguous() for t in (*got[:3], dsinks))
 
 
-@_strategy_backward_op.register_fake
+@_allgather_backward_op.register_fake
 def _(dout, dlse, q, k, v, sinks, *plain):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(sinks)
 
 
-_STRATEGY_PLAIN = ("strategy", "group_key_", "causal", "window_left", "window_right",
-                   "softmax_scale", "layout", "seqlen", "mask_key", "softcap", "kernel",
-                   "heads_k_stride", "backward_overlap", "return_lse")
+_ALLGATHER_PLAIN = ("group_key_", "causal", "window_left", "window_right", "softmax_scale",
+                    "layout", "seqlen", "mask_key", "softcap", "kernel", "heads_k_stride",
+                    "return_lse")
 
 
-def _strategy_setup_context(ctx, inputs, output):
+def _allgather_setup_context(ctx, inputs, output):
     q, k, v, sinks, cu_seqlens, alibi_slopes, *plain = inputs
     ctx.save_for_backward(q, k, v, sinks, cu_seqlens, alibi_slopes)
-    ctx.plain = dict(zip(_STRATEGY_PLAIN, plain))
+    ctx.plain = dict(zip(_ALLGATHER_PLAIN, plain))
 
 
-def _strategy_backward(ctx, dout, dlse):
+def _allgather_backward(ctx, dout, dlse):
     q, k, v, sinks, cu_seqlens, alibi_slopes = ctx.saved_tensors
     if dout is None:
         dout = q.new_zeros(*q.shape[:3], v.shape[-1])
     if dlse is None or not ctx.plain["return_lse"]:
         dlse = q.new_empty(0, dtype=torch.float32)
-    dq, dk, dv, dsinks = torch.ops.ringattn.strategy_attention_backward(
+    dq, dk, dv, dsinks = torch.ops.ringattn.allgather_attention_backward(
         dout, dlse, q, k, v, sinks, cu_seqlens, alibi_slopes, **ctx.plain)
     return (dq, dk, dv, dsinks if sinks.numel() else None, None, None,
-            *([None] * len(_STRATEGY_PLAIN)))
+            *([None] * len(_ALLGATHER_PLAIN)))
 
 
-_strategy_op.register_autograd(_strategy_backward, setup_context=_strategy_setup_context)
+_allgather_op.register_autograd(_allgather_backward, setup_context=_allgather_setup_context)
 
 
 def _op_tensors(kernel, cu_seqlens, alibi_slopes):
@@ -322,25 +317,24 @@ def _op_tensors(kernel, cu_seqlens, alibi_slopes):
     return cu, slopes
 
 
-def compiled_strategy_attention(strategy: str, q, k, v, *, group, causal: bool, window_size,
-                                softmax_scale, layout: str, seqlen, mask, cu_seqlens,
-                                return_lse: bool, kernel, softcap: float, sinks,
-                                alibi_slopes=None, heads_k_stride=None,
-                                backward_overlap: str = "all"):
-    """``ulysses_attention``, ``allgather_attention`` or ``hybrid_attention`` (``strategy``)
-    under torch.compile: one opaque op whose forward is the eager function's and whose
-    backward runs that forward again with autograd (no Python state crosses from forward
-    to backward; the cost is one more forward, measured in benchmarks/RESULTS.md)."""
+def compiled_allgather_attention(q, k, v, *, group, causal: bool, window_size, softmax_scale,
+                                 layout: str, seqlen, mask, cu_seqlens, return_lse: bool,
+                                 kernel, softcap: float, sinks, alibi_slopes=None,
+                                 heads_k_stride=None):
+    """``allgather_attention`` under torch.compile: one opaque op whose forward is the
+    eager function's and whose backward runs that forward again with autograd (no Python
+    state crosses from forward to backward; the cost is one more forward, measured in
+    benchmarks/RESULTS.md)."""
     from .masks import mask_key as key_of
 
     cu, slopes = _op_tensors(kernel, cu_seqlens, alibi_slopes)
-    out, lse = torch.ops.ringattn.strategy_attention(
-        q, k, v, q.new_empty(0) if sinks is None else sinks, cu, slopes, strategy,
+    out, lse = torch.ops.ringattn.allgather_attention(
+        q, k, v, q.new_empty(0) if sinks is None else sinks, cu, slopes,
         group_key(group), bool(causal), int(window_size[0]), int(window_size[1]),
         1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale),
         layout, -1 if seqlen is None else seqlen,
         mask if isinstance(mask, int) else key_of(mask), float(softcap), kernel or "auto",
-        -1 if heads_k_stride is None else heads_k_stride, backward_overlap, bool(return_lse))
+        -1 if heads_k_stride is None else heads_k_stride, bool(return_lse))
     return (out, lse) if return_lse else out
 
 
