@@ -9,9 +9,14 @@ into the result over the union of the keys:
     o   = o_a * exp(lse_a - lse) + o_b * exp(lse_b - lse)
 
 because each o_x is sum_j p_j v_j / exp(lse_x) over its keys. The weights exp(lse_x - lse)
-are sigmoid(lse_a - lse_b) and sigmoid(lse_b - lse_a), always in [0, 1]. A row that saw no
-key in either part keeps lse = -inf and o = 0 (the weights are set to 0 there rather than
-computed as exp(-inf + inf) = NaN).
+are sigmoid(lse_a - lse_b) and sigmoid(lse_b - lse_a), always in [0, 1], and are computed
+in that form (as ring-flash-attn and PyTorch's ring do): the difference of the two lse is
+exact where they are close, whereas exp(lse_a - lse) would carry the rounding of the merged
+lse, |lse| * 2^-24 relative (3e-5 at lse = 500: large logits), into every output.
+
+A row that saw no key in either part keeps lse = -inf and o = 0, and gets zero gradients:
+the formulas run on 0 in place of the -infs there (exp(-inf + inf) would be NaN, and so
+would a gradient through any masked-out branch), then the results are masked.
 """
 
 from __future__ import annotations
@@ -20,15 +25,19 @@ import torch
 
 from .spec import accumulator_dtype
 
-__all__ = ["merge", "merge_"]
+__all__ = ["merge", "merge_", "merge_weights"]
 
 
-def _weights(lse_a_BHS, lse_b_BHS):
-    """The merged lse and each part's weight, as [B, S, H, 1] factors for the outputs."""
-    new_BHS = torch.logaddexp(lse_a_BHS, lse_b_BHS)
-    seen = new_BHS > float("-inf")
-    w_a = torch.where(seen, torch.exp(lse_a_BHS - new_BHS), 0.0)
-    w_b = torch.where(seen, torch.exp(lse_b_BHS - new_BHS), 0.0)
+def merge_weights(lse_a_BHS, lse_b_BHS):
+    """(merged lse [B, H, S], w_a, w_b as [B, S, H, 1] factors for the outputs), finite
+    gradients everywhere (zero on rows where both lse are -inf)."""
+    seen = (lse_a_BHS > float("-inf")) | (lse_b_BHS > float("-inf"))
+    a = torch.where(seen, lse_a_BHS, 0.0)
+    b = torch.where(seen, lse_b_BHS, 0.0)
+    diff = a - b  # +-inf where one side saw nothing: weights 1 and 0
+    w_a = torch.where(seen, torch.sigmoid(diff), 0.0)
+    w_b = torch.where(seen, torch.sigmoid(-diff), 0.0)
+    new_BHS = torch.where(seen, torch.logaddexp(a, b), float("-inf"))
     return new_BHS, w_a.transpose(1, 2).unsqueeze(-1), w_b.transpose(1, 2).unsqueeze(-1)
 
 
@@ -40,7 +49,7 @@ def merge_(
     ``out_BSHD`` and ``lse_BHS`` are float32 (float64) accumulators; the block result may be
     any floating dtype. Slices of larger accumulators are fine.
     """
-    new_BHS, w_a, w_b = _weights(lse_BHS, lse_b_BHS)
+    new_BHS, w_a, w_b = merge_weights(lse_BHS, lse_b_BHS)
     out_BSHD.mul_(w_a).add_(out_b_BSHD * w_b)
     lse_BHS.copy_(new_BHS)
 
@@ -70,6 +79,6 @@ def merge(
     if tuple(lse_a.shape) != (b, h, s):
         raise ValueError(f"lse has shape {tuple(lse_a.shape)}, expected {(b, h, s)} for out {tuple(out_a.shape)}")
     acc = accumulator_dtype(out_a.dtype)
-    lse, w_a, w_b = _weights(lse_a.to(acc), lse_b.to(acc))
+    lse, w_a, w_b = merge_weights(lse_a.to(acc), lse_b.to(acc))
     out = out_a.to(acc) * w_a + out_b.to(acc) * w_b
     return out.to(out_a.dtype), lse
