@@ -31,7 +31,8 @@ def attention(q, k, v, ok, scale=None, softcap=0.0, sinks=None, alibi=None):
     out [B,S,H,Dv], lse [B,H,S]. A row that sees no key gives out = 0 and lse = -inf.
     ``softcap`` > 0: scores become softcap * tanh(scores / softcap) (Gemma 2). ``sinks`` [H]:
     one more logit per head in the softmax whose value is 0 (gpt-oss): the scores get a
-    column of sinks, the softmax runs over both, and the column is dropped (its definition).
+    column of sinks, the softmax runs over both, and the column is dropped (its definition);
+    a -inf sink is no sink.
     ``alibi`` [H]: -alibi[h] * |i - j| is added after soft-capping (flash-attn's ALiBi)."""
     h, hkv = q.shape[2], k.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -49,8 +50,12 @@ def attention(q, k, v, ok, scale=None, softcap=0.0, sinks=None, alibi=None):
     if sinks is not None:
         col = sinks.to(s.dtype).view(1, h, 1, 1).expand(*s.shape[:3], 1)
         both = torch.cat([s, col], dim=-1)
-        p = torch.softmax(both, dim=-1)[..., :-1]
-        return (p @ vh).transpose(1, 2), torch.logsumexp(both, dim=-1)
+        # a row with no visible key and a -inf sink: out 0, lse -inf, zero gradients
+        none = both.amax(-1, keepdim=True) == float("-inf")
+        both = both.masked_fill(none, 0.0)
+        p = torch.softmax(both, dim=-1).masked_fill(none, 0.0)[..., :-1]
+        lse = torch.logsumexp(both, dim=-1).masked_fill(none[..., 0], float("-inf"))
+        return (p @ vh).transpose(1, 2), lse
     dead = ~ok.any(-1, keepdim=True)
     # a row that sees nothing: lse = -inf, with a zero (not NaN) gradient
     lse = torch.logsumexp(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead[..., 0], float("-inf"))

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from .comm import RingComm, metadata_device
 from .kernels import Kernel
 from .layouts import Layout, local_positions
-from .merge import merge_
+from .merge import merge_, merge_weights
 from .plan import Plan
 from .spec import AttnSpec, accumulator_dtype
 
@@ -48,6 +48,9 @@ class Ring:
     positions: tuple | None = None
     """(query positions [L], key positions [columns]) of a one-step ring whose keys are not
     one rank's shard (all-gathered keys); None: from ``layout``."""
+    query_shard: tuple[int, int] | None = None
+    """(rank, world) of ``layout`` whose shard the queries are, where that is not the comm's
+    (the all-gather's one-rank ring over every rank's keys); None: the comm's."""
 
     def blocks(self, step: int):
         return self.plan.steps[step]
@@ -67,6 +70,13 @@ class Ring:
             slopes = _slopes_on(self.spec.alibi_slopes, str(device))
             opts["alibi"] = (slopes, q_pos[blk.q_start:blk.q_stop], kv_pos[blk.k_start:blk.k_stop])
         return opts
+
+    def padding_rows(self, device) -> torch.Tensor | None:
+        """[L] bool: the query slots past the global S (padding), or None without a layout."""
+        if self.layout is None:
+            return None
+        rank, world = self.query_shard or (self.comm.rank, self.comm.world)
+        return _positions_on(self.layout, rank, world, self.spec.seqlen, str(device)) >= self.spec.seqlen
 
 
 @lru_cache(maxsize=64)
@@ -266,14 +276,23 @@ def _fold_lse_grad(q, k, v, dout, out, dlse_BHL):
     return pad
 
 
-def _add_sinks(out_BLHD, lse_BHL, sinks_H):
-    """Fold attention sinks into a finished result: a sink is a key with logit ``sinks[h]``
-    and value 0 in every row's softmax (gpt-oss), so the merge with (out 0, lse sink) gives
-    lse' = logaddexp(lse, sink) and out' = out * exp(lse - lse')."""
+def _sink_lse(lse_BHL, sinks_H, ring: Ring):
+    """[B, H, L] the sink logit of every row in lse's dtype: ``sinks[h]``, but -inf on
+    padding rows (query slots past S see no key and no sink: out 0, lse -inf)."""
     sink_BHL = sinks_H.to(lse_BHL.dtype).view(1, -1, 1).expand_as(lse_BHL)
-    new_BHL = torch.logaddexp(lse_BHL, sink_BHL)
-    keep = torch.exp(lse_BHL - new_BHL)  # 0 for rows that see no key (lse = -inf)
-    return out_BLHD * keep.transpose(1, 2).unsqueeze(-1), new_BHL
+    padding_L = ring.padding_rows(lse_BHL.device)
+    if padding_L is not None:
+        sink_BHL = sink_BHL.masked_fill(padding_L, float("-inf"))
+    return sink_BHL
+
+
+def _add_sinks(out_BLHD, lse_BHL, sink_BHL):
+    """Fold attention sinks into a finished result: a sink is a key with logit ``sinks[h]``
+    and value 0 in every row's softmax (gpt-oss), so it is the merge with (out 0, lse
+    sink): lse' = logaddexp(lse, sink), out' = out * sigmoid(lse - sink). A row with
+    neither keys nor sink (a -inf sink, padding) keeps out 0 and lse -inf."""
+    new_BHL, keep, _ = merge_weights(lse_BHL, sink_BHL)
+    return out_BLHD * keep, new_BHL
 
 
 def attention_forward(q, k, v, sinks, ring: Ring):
@@ -281,7 +300,7 @@ def attention_forward(q, k, v, sinks, ring: Ring):
     if sinks is None:
         return ring_forward(q, k, v, ring)
     acc_out, lse = ring_forward(q, k, v, ring, keep_accumulator=True)
-    acc_out, lse = _add_sinks(acc_out, lse, sinks.detach())
+    acc_out, lse = _add_sinks(acc_out, lse, _sink_lse(lse, sinks.detach(), ring))
     return acc_out.to(q.dtype), lse
 
 
@@ -309,7 +328,10 @@ def attention_backward(ring: Ring, lse_grad: bool, q, k, v, out, lse, sinks, dou
         delta_BHL = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)
         if dlse is not None:
             delta_BHL = delta_BHL - torch.where(torch.isfinite(dlse), dlse, 0.0).to(acc)
-        p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse.to(acc))
+        # a row without keys and sink (lse -inf: a -inf sink, padding) has p_sink 0
+        lse_acc = lse.to(acc)
+        sink_BHL = _sink_lse(lse_acc, sinks.detach(), ring)
+        p_sink = torch.where(lse_acc > float("-inf"), torch.exp(sink_BHL - lse_acc), 0.0)
         dsinks = -(p_sink * delta_BHL).sum((0, 2)).to(sinks.dtype)
     if not fold:
         return (*ring_backward(dout, q, k, v, out, lse, ring), dsinks)
