@@ -128,4 +128,4 @@ def local_ring(spec, plan, kernel, layout, world, rank, local_len, q_pos, kv_pos
     """The one-rank ring over the gathered keys for one head group."""
     positions = None if q_pos is None else (q_pos, kv_pos)
     return Ring(LocalComm(), spec, merged_plan(plan, world, rank, local_len), kernel, 1, "all",
-                layout, positions)
+                layout, positions, query_shard=(rank, world))
