@@ -54,7 +54,7 @@ def _gather(k_BLHD, v_BLHD, group, world):
     b, n, h, d = k_BLHD.shape
     kv = torch.cat((k_BLHD, v_BLHD), dim=3).contiguous()
     out = kv.new_empty(world * kv.numel())
-    all_gather_single(out, kv.reshape(-1), group)
+    all_gather_single(out, kv.reshape(-1), group, what="all-gather of K/V")
     full = out.view(world, b, n, h, kv.shape[3]).transpose(0, 1).reshape(b, world * n, h, -1)
     return full[..., :d], full[..., d:]
 
@@ -66,7 +66,7 @@ def _scatter_home(dk_BSHD, dv_BSHD, group, world):
     dkv = torch.cat((dk_BSHD, dv_BSHD), dim=3).view(b, world, n, h, -1).transpose(0, 1)
     dkv = dkv.contiguous()
     out = dkv.new_empty(dkv.numel() // world)
-    reduce_scatter_single(out, dkv.reshape(-1), group)
+    reduce_scatter_single(out, dkv.reshape(-1), group, what="reduce-scatter of dK/dV")
     mine = out.view(b, n, h, -1)
     return mine[..., :d], mine[..., d:]
 

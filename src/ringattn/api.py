@@ -22,7 +22,7 @@ from .masks import (Mask, check_cu_seqlens, document, fingerprint, head_offset, 
                     registered_mask, sliding_window, value_digest)
 from .plan import Plan, make_plan, view_digest
 from .ring import BACKWARD_OVERLAP, Ring, attention_backward, attention_forward
-from .sharding import SHARD_TAG
+from .sharding import SHARD_TAG, group_members
 from .spec import AttnSpec, accumulator_dtype
 from .ulysses import Exchange, head_split, heads_to_seq, seq_to_heads
 
@@ -78,7 +78,7 @@ def _describe(name: str, value: int) -> str:
     if name == "cu_seqlens":
         return "none" if value == -2 else f"cu_seqlens with digest {value}"
     if name == "sinks":
-        return "no sinks" if value == 0 else "sinks"
+        return "no sinks" if value == -2 else f"sinks with digest {value}"
     if name == "strategy":
         return repr(STRATEGY_NAMES[value])
     if name == "heads_k_stride":
@@ -121,7 +121,8 @@ def _check_shard_tag(name, t, layout_name, seqlen, cu_digest):
     tag = getattr(t, SHARD_TAG, None)
     if tag is None:
         return
-    made = dict(zip(("layout", "seqlen", "cu_seqlens"), tag))
+    made_layout, made_seqlen, made_cu = tag[:3]
+    made = {"layout": made_layout, "seqlen": made_seqlen, "cu_seqlens": made_cu}
     used = {"layout": layout_name, "seqlen": seqlen, "cu_seqlens": cu_digest}
     for key in made:
         if made[key] != used[key]:
@@ -132,6 +133,25 @@ def _check_shard_tag(name, t, layout_name, seqlen, cu_digest):
                 f"attended with {key}={what(used[key])}; pass the same layout, seqlen and "
                 f"cu_seqlens to shard and ring_attention"
             )
+
+
+def _check_shard_origin(name, t, pg):
+    """A tensor made by ``ringattn.shard`` was sharded along dim 1 of [B, S_local, H, D]
+    and over the ranks of the group it is attended over (checked before its length)."""
+    tag = getattr(t, SHARD_TAG, None)
+    if tag is None:
+        return
+    dim, ndim, members = tag[3:]
+    if ndim == 4 and dim != 1:
+        raise ValueError(
+            f"{name} was sharded by ringattn.shard along dim {dim}, but attention takes "
+            f"[B, S_local, H, D] with the sequence on dim 1: shard [B, S, H, D] tensors with "
+            f"dim=1 (an SDPA-layout [B, H, S, D] tensor needs .transpose(1, 2) first)")
+    if members != group_members(pg):
+        raise ValueError(
+            f"{name} was sharded by ringattn.shard over the ranks {list(members)} but is "
+            f"attended over the group of ranks {list(group_members(pg))}: shard and attend "
+            f"with the same group")
 
 
 @dataclass(frozen=True)
@@ -168,29 +188,38 @@ def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seql
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D [B, S_local, heads, D], got shape {tuple(t.shape)}")
+            raise ValueError(f"{name} must be 4-D [B, S_local, H, D] (sequence on dim 1), got "
+                             f"shape {tuple(t.shape)}")
         if t.dtype not in _DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; supported: {list(_DTYPES)}")
         if t.device.type not in _DEVICES:
             raise ValueError(f"{name} is on {t.device}; supported device types: {list(_DEVICES)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_shard_origin(name, t, pg)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if k.shape[:3] != v.shape[:3]:
         raise ValueError(
-            f"k and v must have the same [B, S_local, Hkv], got {tuple(k.shape)} and {tuple(v.shape)}"
+            f"k and v must have the same [B, S_local, Hkv] of [B, S_local, Hkv, D], got "
+            f"{tuple(k.shape)} and {tuple(v.shape)}"
         )
     b, n, h, d = q.shape
     if (k.shape[0], k.shape[1]) != (b, n):
         raise ValueError(
-            f"q is [B={b}, S_local={n}, ...] but k is [B={k.shape[0]}, S_local={k.shape[1]}, ...]"
+            f"q is [B={b}, S_local={n}, H, D] but k is [B={k.shape[0]}, "
+            f"S_local={k.shape[1]}, Hkv, D] (q, k, v are [B, S_local, H, D]; SDPA-layout "
+            f"[B, H, S, D] tensors need .transpose(1, 2))"
         )
     if k.shape[3] != d:
-        raise ValueError(f"q has head dim {d} but k has head dim {k.shape[3]}")
+        raise ValueError(f"q has head dim {d} but k has head dim {k.shape[3]} (dim 3 of "
+                         f"[B, S_local, H, D])")
     hkv = k.shape[2]
     if hkv == 0 or h % hkv != 0:
-        raise ValueError(f"q has {h} heads, not a multiple of k's {hkv} heads")
+        raise ValueError(f"q has {h} heads, not a multiple of k's {hkv} heads (dim 2 of "
+                         f"[B, S_local, H, D]; SDPA-layout [B, H, S, D] tensors need "
+                         f".transpose(1, 2))")
     if b == 0 or n == 0 or d == 0 or v.shape[3] == 0:
         raise ValueError(f"q or v has an empty dimension: shapes {tuple(q.shape)}, {tuple(v.shape)}")
     if sinks is not None:
@@ -202,6 +231,11 @@ def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seql
                              f"got {tuple(sinks.shape)}")
         if sinks.device != q.device:
             raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
+        sink_values = sinks.detach().to("cpu", torch.float64)  # (a device sync on CUDA)
+        if bool(torch.isnan(sink_values).any() | (sink_values == float("inf")).any()):
+            raise ValueError(f"sinks must be finite or -inf (a head without a sink), got "
+                             f"{sink_values.tolist()}")
+        sink_digest = zlib.crc32(sink_values.numpy().tobytes()) & 0x7FFFFFFF
     if isinstance(softcap, (int, float)) and not isinstance(softcap, bool):
         softcap = float(softcap)
     slopes = _alibi_slopes(alibi_slopes, h)
@@ -226,7 +260,9 @@ def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seql
     if expected != n:
         raise ValueError(
             f"seqlen={seqlen} with layout {lay.name!r} on {world} ranks gives shards of "
-            f"{expected} tokens, but q has S_local={n} (use ringattn.shard to make shards)"
+            f"{expected} tokens, but q has S_local={n} on dim 1 of [B, S_local, H, D] (use "
+            f"ringattn.shard to make shards; SDPA-layout [B, H, S, D] tensors need "
+            f".transpose(1, 2))"
         )
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
@@ -256,7 +292,7 @@ def _check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seql
     fields = {
         "batch": b, "local_len": n, "heads": h, "kv_heads": hkv, "head_dim": d,
         "value_head_dim": v.shape[3], "softcap": _float_bits(spec.softcap),
-        "sinks": int(sinks is not None),
+        "sinks": -2 if sinks is None else sink_digest,  # their values: ranks must agree
         "alibi_slopes": -2 if slopes is None else zlib.crc32(struct.pack(f"<{h}d", *slopes)) & 0x7FFFFFFF,
         "dtype": _DTYPES.index(q.dtype), "device": _DEVICES.index(q.device.type),
         "layout": _LAYOUT_NAMES.index(lay.name), "seqlen": seqlen, "causal": int(causal),
@@ -668,7 +704,10 @@ def _split_heads_attention(q, k, v, topo: _Topology, *, return_lse, sinks, backw
             else:
                 out_f, lse_f = core(ring, q_f, k_f, v_f, extra_f, heads_sinks)
         else:  # no head here; still part of the autograd graph, so backward's collectives run
-            zero = sum(t.sum() for t in (q_f, k_f, v_f, *extra_f)) * 0
+            # a 0 that depends on every differentiable input (the only one needing a
+            # gradient may be the sinks); empty slices, so an infinite sink stays out of it
+            zero = sum(t.reshape(-1)[:0].sum().to(q_f.dtype)
+                       for t in (q_f, k_f, v_f, *extra_f, *([] if sinks is None else [sinks])))
             out_f = q_f.new_zeros(b, q_f.shape[1], 0, v.shape[3]) + zero.to(q.dtype)
             lse_f = zero.new_zeros(b, 0, q_f.shape[1], dtype=accumulator_dtype(q.dtype)) + zero
     if topo.U == 1:

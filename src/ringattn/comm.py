@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["HYBRID_DIMS", "PeerError", "RingComm", "LocalComm", "Hop", "agree",
-           "all_gather_single", "clear_failure", "get_timeout", "set_timeout",
+           "all_gather_single", "all_to_all_single", "collective", "clear_failure", "get_timeout", "set_timeout",
            "control_group", "group_by_name", "hybrid_mesh", "is_hybrid_mesh", "mesh_groups", "metadata_device",
            "reduce_scatter_single", "resolve_group"]
 
@@ -28,14 +28,64 @@ _reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
                           or dist.reduce_scatter_tensor)
 
 
-def all_gather_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
-    """``out`` = every rank's ``x``, concatenated on dim 0 in rank order."""
-    _all_gather_single(out, x, group=group)
+def all_gather_single(out: torch.Tensor, x: torch.Tensor, group,
+                      what: str = "all-gather") -> None:
+    """``out`` = every rank's ``x``, concatenated on dim 0 in rank order (waits at most
+    ``get_timeout()``; ``what`` names it in a ``PeerError``)."""
+    collective(what, group, lambda: _all_gather_single(out, x, group=group, async_op=True))
 
 
-def reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
-    """``out`` = this rank's chunk (dim 0, rank order) of the sum of every rank's ``x``."""
-    _reduce_scatter_single(out, x, group=group)
+def reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group,
+                          what: str = "reduce-scatter") -> None:
+    """``out`` = this rank's chunk (dim 0, rank order) of the sum of every rank's ``x``
+    (waits at most ``get_timeout()``)."""
+    if "gloo" not in str(dist.get_backend(group)):
+        collective(what, group, lambda: _reduce_scatter_single(out, x, group=group,
+                                                               async_op=True))
+        return
+    # gloo runs its reduce-scatter in the calling thread (async_op or not), where no timeout
+    # of ours can reach it: an all-to-all of the chunks (which gloo runs asynchronously, as
+    # all-gather) and a local sum in rank order instead; the same bytes travel.
+    world = dist.get_world_size(group)
+    got = x.new_empty(x.numel())
+    all_to_all_single(got, x.reshape(-1), [out.numel()] * world, [out.numel()] * world,
+                      group, what=what)
+    torch.sum(got.view(world, -1), dim=0, out=out.view(-1))
+
+
+def all_to_all_single(recv: torch.Tensor, send: torch.Tensor, recv_splits, send_splits, group,
+                      what: str = "all-to-all") -> None:
+    """``recv`` = from each rank r its ``recv_splits[r]`` elements (rank order); ``send``'s
+    ``send_splits[r]`` go to rank r (waits at most ``get_timeout()``)."""
+    collective(what, group, lambda: dist.all_to_all_single(
+        recv, send, recv_splits, send_splits, group=group, async_op=True))
+
+
+def collective(what: str, group, post) -> None:
+    """Post a collective (``post()`` returns its work handle) and wait for it at most
+    ``get_timeout()`` seconds.
+
+    Raises:
+        PeerError: naming the operation (``what``, e.g. "Ulysses all-to-all of q, forward"),
+            the group's ranks and the time actually waited, when posting fails or a peer
+            died, stopped or never made the matching call.
+    """
+    _check_not_failed()
+    ranks = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
+    start = time.monotonic()
+    try:
+        work = post()
+    except RuntimeError as exc:
+        raise _peer_error(
+            f"ringattn {what} over ranks {ranks} (this is rank {dist.get_rank()}): posting it "
+            f"failed ({exc}): a peer died, or an earlier failure closed the connection") from exc
+    try:
+        _wait(work, start + get_timeout())
+    except RuntimeError as exc:
+        raise _peer_error(
+            f"ringattn {what} over ranks {ranks} (this is rank {dist.get_rank()}) failed after "
+            f"{_waited(start)} ({exc}): another of those ranks died, stopped, or left after an "
+            f"error of its own") from exc
 
 
 HYBRID_DIMS = ("ring", "ulysses")
@@ -103,6 +153,18 @@ def mesh_groups(mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup, dist.Proces
             f"mesh_dim_names={HYBRID_DIMS} (ring across, Ulysses within), got one with "
             f"{mesh.ndim} dims {names or None}; for one dimension of it pass mesh[dim_name]"
         )
+    # Every process group orders its members by global rank, so a mesh is exact only when
+    # its row-major order (the shard index r * U + u) is global-rank order too. Every rank
+    # holds the whole mesh, so every rank raises this same error before any collective.
+    order = mesh.mesh.flatten().tolist()
+    if order != sorted(order):
+        raise ValueError(
+            f"the hybrid's mesh lists its ranks as {mesh.mesh.tolist()}; ringattn needs them "
+            f"in increasing order row by row (ring rank r, Ulysses rank u at place r * U + u, "
+            f"e.g. {torch.tensor(sorted(order)).view(mesh.mesh.shape).tolist()}), because "
+            f"torch orders every process group by global rank and shards are placed by mesh "
+            f"coordinate: make it with ra.hybrid_mesh(group, ulysses=U) or "
+            f"init_device_mesh(..., mesh_dim_names={HYBRID_DIMS})")
     # torch has no public "all ranks of a mesh" group; _flatten makes it once per mesh
     # (the world group when the mesh covers the world) and is used here and nowhere else
     return (mesh._flatten().get_group(), mesh["ring"].get_group(),
@@ -200,6 +262,14 @@ def _check_not_failed() -> None:
             f"ringattn.comm.clear_failure(), or restart the job")
 
 
+def _waited(start: float) -> str:
+    """How long this rank waited since ``start``, with the timeout it waited under."""
+    took = time.monotonic() - start
+    if took >= get_timeout() * 0.99:
+        return f"waiting the full timeout of {get_timeout():g} s"
+    return f"{took:.2f} s (the transport reported the failure; the timeout is {get_timeout():g} s)"
+
+
 def _wait(req, deadline: float) -> None:
     """``req.wait`` until ``deadline`` (time.monotonic()); transport errors propagate."""
     left = max(deadline - time.monotonic(), 0.001)
@@ -244,15 +314,16 @@ class Hop:
             PeerError: the send to the next rank or the receive from the previous one failed
                 (a peer died) or did not complete within ``get_timeout()`` seconds.
         """
-        deadline = time.monotonic() + get_timeout()
+        start = time.monotonic()
+        deadline = start + get_timeout()
         for req, peer, verb in zip(self._reqs, self._peers, ("sending to", "receiving from")):
             try:
                 _wait(req, deadline)
             except RuntimeError as exc:
                 raise _peer_error(
-                    f"ringattn {self.what}: {verb} rank {peer} failed after waiting up to "
-                    f"{get_timeout():g} s ({exc}): rank {peer} died, stopped, or left the "
-                    f"ring after an error of its own") from exc
+                    f"ringattn {self.what}: {verb} rank {peer} failed after {_waited(start)} "
+                    f"({exc}): rank {peer} died, stopped, or left the ring after an error of "
+                    f"its own") from exc
         recv, self.recv, self._ops, self._reqs = self.recv, None, None, None
         return recv
 
@@ -321,26 +392,28 @@ def _exchange(group: dist.ProcessGroup, row: torch.Tensor) -> torch.Tensor:
             f"ringattn's agreement before the ring (this is rank {dist.get_rank()}): posting "
             f"its messages to the other ranks failed ({exc}): a peer died, or an earlier "
             f"failure closed the connection") from exc
-    deadline = time.monotonic() + get_timeout()
-    missing, first = [], None
+    start = time.monotonic()
+    deadline = start + get_timeout()
+    missing, first, waited = [], None, None
     for r, req in zip(peers, reqs[len(peers):]):
         try:
             _wait(req, deadline)
         except RuntimeError as exc:
             missing.append(dist.get_global_rank(group, r))
             first = first or exc
+            waited = waited or _waited(start)
             deadline = time.monotonic()  # the rest: only what has already arrived
     if missing:
         raise _peer_error(
             f"ringattn's agreement before the ring (this is rank {dist.get_rank()}): rank(s) "
-            f"{missing} of the group never answered within {get_timeout():g} s: they died, "
-            f"stopped, or are not making this ringattn call") from first
+            f"{missing} of the group did not answer (this rank gave up after {waited}): they "
+            f"died, stopped, or are not making this ringattn call") from first
     for req in reqs[:len(peers)]:
         try:
             _wait(req, time.monotonic() + get_timeout())
         except RuntimeError as exc:
             raise _peer_error(f"ringattn's agreement: a send failed after every peer "
-                              f"answered ({exc})") from exc
+                              f"answered ({exc}): the receiving rank died") from exc
     return table
 
 

@@ -17,7 +17,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .comm import agree, resolve_group
+from .comm import agree, collective, resolve_group
 from .layouts import DEFAULT_LAYOUT, LAYOUTS, get_layout, local_positions, restore_index
 from .masks import check_cu_seqlens
 
@@ -41,7 +41,8 @@ def _take_local(x, layout, rank, world, seqlen, dim):
 def _gather_global(x, layout, group, world, seqlen, dim):
     """All shards gathered and put in global order, cut to ``seqlen`` on ``dim``."""
     parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    collective("unshard's all-gather", group,
+               lambda: dist.all_gather(parts, x.contiguous(), group=group, async_op=True))
     full = torch.cat(parts, dim=dim)
     idx = restore_index(layout, world, seqlen).to(x.device)
     return full.index_select(dim, idx[:seqlen])
@@ -120,9 +121,16 @@ def _check(x, dim, layout, seqlen, group, what, local, cu_seqlens):
 
 
 SHARD_TAG = "_ringattn_shard"
-"""Attribute ``shard`` sets on its result: (layout name, S, cu_seqlens digest or -2), which
+"""Attribute ``shard`` sets on its result: (layout name, S, cu_seqlens digest or -2, the
+sequence dim, the tensor's ndim, the group's global ranks in group order), which
 ``ring_attention`` compares with its own arguments, so a shard attended with another layout
-(or S, or documents) is refused instead of computed wrong."""
+(or S, or documents, or over another group, or sharded along another dim) is refused instead
+of computed wrong."""
+
+
+def group_members(pg) -> tuple[int, ...]:
+    """The global ranks of ``pg`` in group-rank order: which shard each rank holds."""
+    return tuple(dist.get_global_rank(pg, r) for r in range(dist.get_world_size(pg)))
 
 
 def shard(x: torch.Tensor, *, group=None, layout: str = DEFAULT_LAYOUT, dim: int = 1,
@@ -141,8 +149,10 @@ def shard(x: torch.Tensor, *, group=None, layout: str = DEFAULT_LAYOUT, dim: int
 
     Returns:
         The local shard, ``layout.local_len(S, W)`` long on ``dim``; padding slots are zero.
-        It remembers its layout, S and documents: ``ring_attention`` refuses it if called
-        with others (tensors computed from it, e.g. by a projection, do not carry this).
+        It remembers its layout, S, documents, dim and group: ``ring_attention`` refuses it
+        if called with others, over another group, or when it was not sharded along the
+        sequence dim of [B, S_local, H, D] (tensors computed from it, e.g. by a projection,
+        do not carry this).
 
     Raises:
         TypeError, ValueError: bad input or ranks that disagree, on every rank.
@@ -150,7 +160,7 @@ def shard(x: torch.Tensor, *, group=None, layout: str = DEFAULT_LAYOUT, dim: int
     pg, lay, seqlen, dim, cu_digest = _check(x, dim, layout, seqlen, group, "shard", False,
                                              cu_seqlens)
     out = _Shard.apply(x, lay, pg, seqlen, dim)
-    setattr(out, SHARD_TAG, (lay.name, seqlen, cu_digest))
+    setattr(out, SHARD_TAG, (lay.name, seqlen, cu_digest, dim, x.dim(), group_members(pg)))
     return out
 
 

@@ -28,6 +28,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
+from .comm import all_to_all_single
 from .layouts import Grouped
 
 __all__ = ["HeadSplit", "head_split", "seq_to_heads", "heads_to_seq"]
@@ -66,11 +67,13 @@ def head_split(heads: int, kv_heads: int, world: int) -> HeadSplit:
     return HeadSplit(tuple(q), tuple(kv))
 
 
-def _all_to_all(send, in_splits, out_splits, group):
+def _all_to_all(send, in_splits, out_splits, group, what):
     """One all-to-all of a contiguous buffer: its first ``in_splits[r]`` elements after the
-    earlier ones go to rank r; returns the received buffer (``out_splits[r]`` from rank r)."""
+    earlier ones go to rank r; returns the received buffer (``out_splits[r]`` from rank r).
+    Waits at most ringattn's timeout (``PeerError`` naming ``what``)."""
     recv = send.new_empty(sum(out_splits))
-    dist.all_to_all_single(recv, send.reshape(-1), out_splits, in_splits, group=group)
+    all_to_all_single(recv, send.reshape(-1), out_splits, in_splits, group,
+                      what=f"Ulysses all-to-all ({what})")
     return recv
 
 
@@ -112,7 +115,7 @@ def _scatter(x_BLHE, ex: Exchange):
     send = x_BLHE.permute(2, 0, 1, 3)[heads]  # [sum of send heads, B, L, E]: one copy
     chunk = b * n * e
     recv = _all_to_all(send, [len(hs) * chunk for hs in ex.send_heads],
-                       [me * chunk] * ex.world, ex.group)
+                       [me * chunk] * ex.world, ex.group, "sequence to heads")
     src, slot, _ = ex.order(x_BLHE.device)
     # [W, me, B, L, E] -> slot order [W*L, me, B, E] (one copy) -> [B, W*L, me, E]
     return recv.view(ex.world, me, b, n, e)[src, :, :, slot].permute(2, 0, 1, 3)
@@ -128,7 +131,7 @@ def _gather(y_BSHE, ex: Exchange, heads: int):
     send = y_BSHE.permute(1, 2, 0, 3)[to_slots]  # rank-major [W*L, me, B, E]: one copy
     chunk = n * b * e
     recv = _all_to_all(send, [me * chunk] * ex.world,
-                       [len(hs) * chunk for hs in ex.send_heads], ex.group)
+                       [len(hs) * chunk for hs in ex.send_heads], ex.group, "heads to sequence")
     out = y_BSHE.new_zeros(b, n, heads, e)
     start = 0
     for hs in ex.send_heads:  # from rank r: [L, its heads, B, E]

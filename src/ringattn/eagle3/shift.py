@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm import metadata_device, resolve_group
+from ..comm import all_to_all_single, metadata_device, resolve_group
 from ..layouts import get_layout, local_positions
 from ..masks import check_cu_seqlens
 
@@ -77,11 +77,12 @@ class Lookahead:
             dev = metadata_device(self.group)
             counts = torch.tensor(self.recv_splits, dtype=torch.int64, device=dev)
             theirs = torch.empty_like(counts)
-            dist.all_to_all_single(theirs, counts, group=self.group)
+            all_to_all_single(theirs, counts, [1] * world, [1] * world, self.group,
+                              what="Eagle3 lookahead's row counts")
             self.send_splits = theirs.tolist()
             asked = torch.empty(sum(self.send_splits), dtype=torch.int64, device=dev)
-            dist.all_to_all_single(asked, need.to(dev), self.send_splits, self.recv_splits,
-                                   group=self.group)
+            all_to_all_single(asked, need.to(dev), self.send_splits, self.recv_splits,
+                              self.group, what="Eagle3 lookahead's row requests")
             self.send_slots = torch.searchsorted(pos, asked.cpu())
         else:
             self.send_splits, self.send_slots = [0], torch.zeros(0, dtype=torch.int64)
@@ -109,8 +110,9 @@ class Lookahead:
         rows = x.transpose(0, 1)  # [L, B, ...]: all_to_all splits dim 0
         got = rows.new_empty((self.received, *rows.shape[1:]))
         if self.world > 1:
-            dist.all_to_all_single(got, rows[self.send_slots.to(x.device)].contiguous(),
-                                   self.recv_splits, self.send_splits, group=self.group)
+            all_to_all_single(got, rows[self.send_slots.to(x.device)].contiguous(),
+                              self.recv_splits, self.send_splits, self.group,
+                              what="Eagle3 lookahead's rows")
         return x, got.transpose(0, 1), fill
 
     def take(self, ext, k: int) -> torch.Tensor:
