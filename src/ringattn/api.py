@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from .allgather import GatherGroup, allgather_attention_apply, local_ring
-from .comm import HYBRID_DIMS, LocalComm, RingComm, agree, is_hybrid_mesh, mesh_groups, resolve_group
+from .comm import (HYBRID_DIMS, LocalComm, RingComm, agree, caller_site, is_hybrid_mesh,
+                   mesh_groups, resolve_group, site_digest)
 from .kernels import available_kernels, get_kernel
 from .layouts import DEFAULT_LAYOUT, LAYOUTS, Layout, get_layout, grouped, local_positions
 from .masks import (Mask, check_cu_seqlens, document, fingerprint, head_offset, mask_key,
@@ -338,7 +339,7 @@ _FIELD_NAMES = (
     "dtype", "device", "layout",
     "seqlen", "causal", "window_left", "window_right", "softmax_scale", "kernel", "needs_grad",
     "cu_seqlens", "mask", "mask_view", "mask_next_view", "last_step", "return_lse", "strategy",
-    "grads", "heads_k_stride",
+    "grads", "heads_k_stride", "caller",
 )
 """What every call agrees on, whatever its strategy (the same row on every rank, so ranks
 that chose different strategies get an error, not mismatched collectives)."""
@@ -892,6 +893,7 @@ def _agreed(q, k, v, group, extra_fields, extra_check, *, plan_ring=False, plann
     pg = resolve_group(group)
     comm = RingComm(pg)
     error, fields, checked = None, dict.fromkeys(_FIELD_NAMES + tuple(extra_fields), -1), None
+    site = caller_site()
     try:
         # first: a caller's own inputs get its own messages (Eagle3's key sets); it must
         # raise only TypeError/ValueError whatever q, k, v are
@@ -904,6 +906,7 @@ def _agreed(q, k, v, group, extra_fields, extra_check, *, plan_ring=False, plann
         fields = dict(checked.fields)
         fields.update(zip(extra_fields, extra, strict=True))
         fields["strategy"] = STRATEGY_NAMES.index(strategy)
+        fields["caller"] = site_digest(site)
         plan = checked.plan if planner is None else planner(checked)
         if planner is not None:
             fields["last_step"] = plan.last_step
@@ -918,11 +921,26 @@ def _agreed(q, k, v, group, extra_fields, extra_check, *, plan_ring=False, plann
         checked = replace(checked, fields=fields, plan=plan)
     except (TypeError, ValueError) as exc:  # reported on every rank by agree() below
         error = exc
-    last = agree(pg, fields, error, _describe, reduce=("last_step",), chained=(
-        ("mask_view", "mask_next_view",
-         "the mask (it evaluates differently on their processes: a mask function that reads "
-         "rank-local data? build it from the same values on every rank) on the positions"),)
-    )["last_step"]
+    def describe(name, value):
+        if name != "caller":
+            return _describe(name, value)
+        if value == 0:
+            return "the caller check off (ringattn.comm.set_caller_check)"
+        return (f"a call from the source line with digest {value} (a rank made an extra "
+                f"ringattn call or skipped one; ranks that call from different lines on "
+                f"purpose: ringattn.comm.set_caller_check(False) on every rank)")
+
+    try:
+        last = agree(pg, fields, error, describe, reduce=("last_step",), chained=(
+            ("mask_view", "mask_next_view",
+             "the mask (it evaluates differently on their processes: a mask function that "
+             "reads rank-local data? build it from the same values on every rank) on the "
+             "positions"),)
+        )["last_step"]
+    except ValueError as exc:  # the same message everywhere; each rank adds its own site
+        if "disagree on caller" in str(exc):
+            exc.add_note(f"rank {dist.get_rank()} made this call from {site}")
+        raise
     return pg, comm, checked, last
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import time
+import traceback
+import zlib
 from datetime import timedelta
 
 import torch
@@ -18,7 +20,7 @@ import torch.distributed as dist
 __all__ = ["HYBRID_DIMS", "PeerError", "RingComm", "LocalComm", "Hop", "agree",
            "all_gather_single", "all_to_all_single", "collective", "clear_failure", "get_timeout", "set_timeout",
            "control_group", "group_by_name", "hybrid_mesh", "is_hybrid_mesh", "mesh_groups", "metadata_device",
-           "reduce_scatter_single", "resolve_group"]
+           "reduce_scatter_single", "resolve_group", "set_caller_check"]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns);
 # older releases only have the old name.
@@ -453,6 +455,42 @@ def metadata_device(group: dist.ProcessGroup) -> torch.device:
     if "nccl" in backend and "gloo" not in backend:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+_CHECK_CALLER = [os.environ.get("RINGATTN_CHECK_CALLER", "1") != "0"]
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def set_caller_check(enabled: bool) -> None:
+    """Whether the agreement also compares where each rank called ringattn from (the file
+    name, line and function of the first frame outside ringattn): on by default, so that a
+    rank's extra call from another line is refused instead of pairing with the others'
+    next call. Programs whose ranks call from different lines on purpose turn it off on
+    every rank (or set ``RINGATTN_CHECK_CALLER=0``).
+
+    Raises:
+        TypeError: not a bool.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_caller_check takes a bool, got {enabled!r}")
+    _CHECK_CALLER[0] = enabled
+
+
+def caller_site() -> str:
+    """``file.py:line (function)`` of the first frame outside the ringattn package (the
+    file's base name: paths may differ between nodes), or "" when the check is off."""
+    if not _CHECK_CALLER[0]:
+        return ""
+    for frame, line in traceback.walk_stack(None):
+        name = frame.f_code.co_filename
+        if not name.startswith(_PACKAGE):
+            return f"{os.path.basename(name)}:{line} ({frame.f_code.co_name})"
+    return "?"
+
+
+def site_digest(site: str) -> int:
+    """The int the agreement compares for a ``caller_site()`` (0: the check is off)."""
+    return zlib.crc32(site.encode()) & 0x7FFFFFFF if site else 0
 
 
 _CALLS: dict[str, int] = {}

@@ -297,3 +297,43 @@ def test_collectives_wait_at_most_the_timeout(tmp_path, op):
         assert seen["outcome"] == "PeerError", seen
         assert f"{op} of the test" in seen["message"] and "ranks [0, 1, 2]" in seen["message"]
         assert seen["seconds"] < 10, seen
+
+
+def extra_call_cases():
+    """Rank side (3 ranks): rank 1 makes one extra call from another line, which must not
+    pair with the others' next call; with the check off, calls from different lines on
+    purpose run exactly."""
+    rank = dist.get_rank()
+    q, k, v, _ = _inputs(9, 2, 1)
+    ql, kl, vl = (ra.shard(t, seqlen=9) for t in (q, k, v))
+    out = []
+    try:
+        if rank == 1:
+            ra.ring_attention(ql, kl, vl, causal=True, seqlen=9)  # the extra call
+        got = ra.ring_attention(ql, kl, vl, causal=True, seqlen=9)
+        out.append(("finished", float(got.sum())))
+    except ValueError as exc:
+        out.append(("ValueError", str(exc), "".join(getattr(exc, "__notes__", []))))
+    ra.comm.set_caller_check(False)
+    try:
+        if rank == 0:
+            got = ra.ring_attention(ql, kl, vl, causal=True, seqlen=9)
+        else:
+            got = ra.ring_attention(ql, kl, vl, causal=True, seqlen=9)
+    finally:
+        ra.comm.set_caller_check(True)
+    ref, _ = attention(q.double(), k.double(), v.double(), _ok(9))
+    out.append(rel_err(got, ra.shard(ref, seqlen=9)))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_extra_call_from_another_line_refused(clusters):
+    per_rank = clusters(3).run(extra_call_cases, timeout=100)
+    first = [r[0] for r in per_rank]
+    assert all(f[0] == "ValueError" for f in first), first
+    assert len({f[1] for f in first}) == 1, "ranks raised different messages"
+    assert "ranks disagree on caller" in first[0][1], first[0]
+    assert "rank 1 made this call from test_adversarial.py" in first[1][2], first[1]
+    for r in per_rank:
+        assert r[1] <= TOL, r
