@@ -1,6 +1,8 @@
 """Exactness on every rank: out, lse, dq, dk, dv against the float64 single-device oracle.
 
-fp32: ||x - ref|| / ||ref|| <= 1e-5 (the contract; measured errors sit near 2e-7).
+fp32: ||x - ref|| / ||ref|| <= 1e-5 (the contract; measured errors sit near 2e-7), or 2x the
+error of torch's own fused fp32 op on one device where the inputs' conditioning makes that
+larger (``reference.fp32_tolerances`` says where and why).
 bf16: <= 2x the error that torch's own fused attention op makes on the same bf16 inputs over
 the whole unsharded sequence (flash-attn's criterion), plus 1e-6 for lse, which both compute
 in fp32 and where 2x a ~1e-7 baseline would be a test of rounding luck.
@@ -16,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import ringattn as ra
-from reference import reference, rel_err, visible
+from reference import fp32_tolerances, reference, rel_err, visible
 
 FP32_TOL = 1e-5
 LAYOUTS = ["contiguous", "zigzag", "striped"]
@@ -155,23 +157,25 @@ def _plain_fused(q, k, v, do, ok, dlse=None):
         out, lse, _, _, _ = _plain_fused(q, k, v, do, ok)
         outp = torch.nn.functional.pad(out, (0, 8))
         outp[..., d] = -torch.where(torch.isfinite(lse), dlse, 0.0).transpose(1, 2).to(q.dtype)
-        res = _plain_fused_raw(qp, kp, vp, dop, ok, outp, lse)
+        # the padded call's default scale would be 1/sqrt(D + 8): pass q's own
+        res = _plain_fused_raw(qp, kp, vp, dop, ok, outp, lse, scale=d ** -0.5)
         return [out, lse] + [t[..., :d] for t in res[2:]]
     return _plain_fused_raw(q, k, v, do, ok)
 
 
-def _plain_fused_raw(q, k, v, do, ok, out=None, lse=None):
+def _plain_fused_raw(q, k, v, do, ok, out=None, lse=None, scale=None):
     qh, kh, vh, doh = (t.transpose(1, 2) for t in (q, k, v, do))
     ok = ok.reshape((1,) * (4 - ok.dim()) + tuple(ok.shape))  # the op takes 2-D or 4-D masks
     mask = torch.zeros(ok.shape, dtype=q.dtype).masked_fill(~ok, float("-inf"))
     if out is None:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qh, kh, vh, 0.0, False, attn_mask=mask)
+            qh, kh, vh, 0.0, False, attn_mask=mask, scale=scale)
         lse = lse.masked_fill(~ok.any(-1), float("-inf"))  # the op says 0 for rows seeing nothing
     else:
         out = out.transpose(1, 2)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        doh, qh, kh, vh, out, lse.masked_fill(~ok.any(-1), 0.0), 0.0, False, attn_mask=mask)
+        doh, qh, kh, vh, out, lse.masked_fill(~ok.any(-1), 0.0), 0.0, False, attn_mask=mask,
+        scale=scale)
     return [t.transpose(1, 2) if t.dim() == 4 else t for t in (out, lse, dq, dk, dv)]
 
 
@@ -185,11 +189,11 @@ def run_cases(layout, world_cases, dtype_name, strategy="ring_attention", option
         q, k, v, do, dlse = _data(case, dtype)
         attn_kw, ok = _setup(case, dist.get_world_size())
         refs = reference(q, k, v, do, ok, dlse=dlse)  # float64 on the (rounded) inputs
+        base = [rel_err(x, r, floor=1.0 if i == 1 else 0.0)
+                for i, (x, r) in enumerate(zip(_plain_fused(q, k, v, do, ok, dlse), refs))]
         if dtype == torch.float32:
-            tols = [FP32_TOL] * 5
+            tols = fp32_tolerances(base)
         else:
-            base = [rel_err(x, r, floor=1.0 if i == 1 else 0.0)
-                    for i, (x, r) in enumerate(zip(_plain_fused(q, k, v, do, ok, dlse), refs))]
             tols = [2 * e + (1e-6 if i == 1 else 0.0) for i, e in enumerate(base)]
         qx, kx, vx = (t.clone().requires_grad_() for t in (q, k, v))
         kw = dict(layout=layout, seqlen=case.seqlen, cu_seqlens=attn_kw.pop("cu_seqlens", None))
