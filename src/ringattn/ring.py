@@ -76,7 +76,8 @@ class Ring:
         if self.layout is None:
             return None
         rank, world = self.query_shard or (self.comm.rank, self.comm.world)
-        return _positions_on(self.layout, rank, world, self.spec.seqlen, str(device)) >= self.spec.seqlen
+        pos = _positions_on(self.layout, rank, world, self.spec.seqlen, str(device))
+        return pos >= self.spec.seqlen
 
 
 @lru_cache(maxsize=64)

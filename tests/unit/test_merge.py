@@ -42,7 +42,8 @@ def _grads(fn, inputs, g_out, g_lse, dtype):
 def test_forward_and_gradients_equal_float64_autograd_of_the_formula():
     inputs = _inputs()
     g = torch.Generator().manual_seed(1)
-    g_out, g_lse = torch.randn(inputs[0].shape, generator=g), torch.randn(inputs[1].shape, generator=g)
+    g_out = torch.randn(inputs[0].shape, generator=g)
+    g_lse = torch.randn(inputs[1].shape, generator=g)
     out, lse, grads = _grads(ra.merge, inputs, g_out, g_lse, torch.float32)
     ref_out, ref_lse, ref_grads = _grads(_formula, inputs, g_out, g_lse, torch.float64)
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
