@@ -585,6 +585,8 @@ class _Topology:
     R: int
     mesh: bool = False
     """Made from the hybrid's 2-D mesh (else pure Ulysses over one group)."""
+    error: Exception | None = None
+    """Why this rank cannot run on this mesh (raised by every rank in the agreement)."""
 
     @staticmethod
     def ulysses(pg):
@@ -596,11 +598,23 @@ class _Topology:
         flat, ring, uly = mesh_groups(mesh)
         t = _Topology(flat, uly, dist.get_rank(uly), dist.get_world_size(uly), ring,
                       dist.get_rank(ring), dist.get_world_size(ring), mesh=True)
-        if dist.get_rank(flat) != t.r * t.U + t.u:  # shard index = ring_rank * U + ulysses_rank
-            raise ValueError(
-                f"the mesh's flattened group puts this rank at {dist.get_rank(flat)}, not at "
-                f"ring_rank * U + ulysses_rank = {t.r} * {t.U} + {t.u}: make the mesh with "
-                f"dims {HYBRID_DIMS} in that order (ra.hybrid_mesh)")
+        # Every process group orders its members by global rank, while shards and the
+        # hybrid's places go by mesh coordinate (ring r, Ulysses u at r * U + u): the two
+        # agree on every rank exactly when the mesh lists its ranks in increasing order row
+        # by row. A rank that sees a difference reports it in the agreement, so every rank
+        # raises it (the others cannot see it from their own coordinates).
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            raise ValueError(f"rank {dist.get_rank()} is not in the hybrid's mesh "
+                             f"{mesh.mesh.tolist()}: call it only on the mesh's ranks")
+        r, u = coordinate
+        if (dist.get_rank(flat), t.r, t.u) != (r * t.U + u, r, u):
+            return replace(t, error=ValueError(
+                f"the hybrid's mesh places global rank {dist.get_rank()} at ring {r}, Ulysses "
+                f"{u} (shard {r * t.U + u}), but torch orders the mesh's process groups by "
+                f"global rank, which puts it at shard {dist.get_rank(flat)}: list the mesh's "
+                f"ranks in increasing order row by row (make it with ra.hybrid_mesh(group, "
+                f"ulysses=U) or init_device_mesh(..., mesh_dim_names={HYBRID_DIMS}))"))
         return t
 
 
@@ -632,6 +646,8 @@ def _heads_setup(q, k, v, topo: _Topology, *, return_lse, sinks, backward_overla
     was agreed in its forward from the cached plan and the ``steps`` it agreed on."""
 
     def check():  # which inputs need a gradient decides which reverse all-to-alls run
+        if topo.error is not None:
+            raise topo.error
         wants = [bool(getattr(t, "requires_grad", False)) for t in (q, k, v, sinks)]
         own = () if extra_check is None else tuple(extra_check())
         return (sum(int(w) << i for i, w in enumerate(wants)), *own)

@@ -155,18 +155,6 @@ def mesh_groups(mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup, dist.Proces
             f"mesh_dim_names={HYBRID_DIMS} (ring across, Ulysses within), got one with "
             f"{mesh.ndim} dims {names or None}; for one dimension of it pass mesh[dim_name]"
         )
-    # Every process group orders its members by global rank, so a mesh is exact only when
-    # its row-major order (the shard index r * U + u) is global-rank order too. Every rank
-    # holds the whole mesh, so every rank raises this same error before any collective.
-    order = mesh.mesh.flatten().tolist()
-    if order != sorted(order):
-        raise ValueError(
-            f"the hybrid's mesh lists its ranks as {mesh.mesh.tolist()}; ringattn needs them "
-            f"in increasing order row by row (ring rank r, Ulysses rank u at place r * U + u, "
-            f"e.g. {torch.tensor(sorted(order)).view(mesh.mesh.shape).tolist()}), because "
-            f"torch orders every process group by global rank and shards are placed by mesh "
-            f"coordinate: make it with ra.hybrid_mesh(group, ulysses=U) or "
-            f"init_device_mesh(..., mesh_dim_names={HYBRID_DIMS})")
     # torch has no public "all ranks of a mesh" group; _flatten makes it once per mesh
     # (the world group when the mesh covers the world) and is used here and nowhere else
     return (mesh._flatten().get_group(), mesh["ring"].get_group(),

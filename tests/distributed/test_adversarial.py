@@ -81,13 +81,13 @@ def _mesh(rows):
 
 
 def mesh_cases(rows_list):
-    """Rank side: for each mesh, the hybrid's errors or its refusal; and ra.shard over it."""
+    """Rank side: for each mesh, the hybrid's errors or its refusal (twice: a refused call
+    leaves nothing in flight)."""
     out = []
     for rows in rows_list:
         mesh = _mesh(rows)
-        out.append(_errors_or_message(lambda: _exact_run(mesh, "hybrid", 13, 4, 2)))
-        out.append(_errors_or_message(
-            lambda: {"shard": ra.shard(torch.zeros(1, 13, 1, 1), group=mesh, seqlen=13).numel()}))
+        for _ in range(2):
+            out.append(_errors_or_message(lambda: _exact_run(mesh, "hybrid", 13, 4, 2)))
     return out
 
 
@@ -101,8 +101,7 @@ def _assert_same_everywhere_exact_or_refused(per_rank, expect_refused, words="")
             for rank, errs in enumerate(case):
                 assert isinstance(errs, dict), (rank, errs)
                 for name, err in errs.items():
-                    if name != "shard":
-                        assert err <= TOL, (rank, name, err)
+                    assert err <= TOL, (rank, name, err)
 
 
 @pytest.mark.timeout(240)
@@ -337,3 +336,59 @@ def test_extra_call_from_another_line_refused(clusters):
     assert "rank 1 made this call from test_adversarial.py" in first[1][2], first[1]
     for r in per_rank:
         assert r[1] <= TOL, r
+
+
+_SUBSETS = [("q",), ("k",), ("v",), ("sinks",), ("k", "sinks"), ("q", "v")]
+
+
+def partial_grad_cases(strategies, h, hkv, rows=None):
+    """Rank side: for every subset of (q, k, v, sinks) requiring a gradient (the others
+    plain tensors), the present gradients' errors against float64 (sinks' summed over
+    the ranks) and the names of the absent ones that came back non-None."""
+    group = None if rows is None else _mesh(rows)
+    pg = ra.comm.resolve_group(group)
+    s = 10
+    q, k, v, do = _inputs(s, h, hkv)
+    sinks = torch.linspace(-0.5, 0.5, h)
+    results = []
+    for strategy in strategies:
+        fn = getattr(ra, f"{strategy}_attention")
+        for subset in _SUBSETS:
+            leaves = {n: ra.shard(t, group=pg, seqlen=s) for n, t in (("q", q), ("k", k), ("v", v))}
+            leaves["sinks"] = sinks.clone()
+            for n in subset:
+                leaves[n].requires_grad_()
+            out = fn(leaves["q"], leaves["k"], leaves["v"], group=group, causal=True, seqlen=s,
+                     sinks=leaves["sinks"])
+            (out * ra.shard(do, group=pg, seqlen=s)).sum().backward()
+            ref = {n: t.double().requires_grad_() for n, t in
+                   (("q", q), ("k", k), ("v", v), ("sinks", sinks))}
+            ro, _ = attention(ref["q"], ref["k"], ref["v"], _ok(s), sinks=ref["sinks"])
+            (ro * do.double()).sum().backward()
+            errs = {}
+            for n in subset:
+                g = leaves[n].grad
+                if n == "sinks":
+                    g = g.clone()
+                    dist.all_reduce(g, group=pg)
+                    errs[n] = rel_err(g, ref[n].grad)
+                else:
+                    errs[n] = rel_err(g, ra.shard(ref[n].grad, group=pg, seqlen=s))
+            stray = [n for n in leaves if n not in subset and leaves[n].grad is not None]
+            results.append((strategy, subset, errs, stray))
+    return results
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world,h,hkv,rows", [
+    (3, 2, 1, None),          # Ulysses: rank 2 holds no head
+    (4, 1, 1, [[0, 1], [2, 3]]),  # hybrid 2x2, H=1: two ranks hold no head
+])
+def test_partial_requires_grad(clusters, world, h, hkv, rows):
+    strategies = ("ring", "ulysses", "allgather") if rows is None else ("hybrid",)
+    per_rank = clusters(world).run(partial_grad_cases, strategies, h, hkv, rows, timeout=200)
+    for rank, results in enumerate(per_rank):
+        for strategy, subset, errs, stray in results:
+            assert not stray, (rank, strategy, subset, stray)
+            for name, err in errs.items():
+                assert err <= TOL, (rank, strategy, subset, name, err)
