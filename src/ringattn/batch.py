@@ -52,6 +52,10 @@ class RingContext:
     all of its ranks); the attention layers take it as their group."""
     mask_key: int = -1
     """``masks.mask_key(mask)``, set on creation: compiled code passes masks by key."""
+    slot_positions: bool = False
+    """``position_ids`` are the slot indices 0..S-1 that ``shard_batch`` made (the batch gave
+    none) while a row has padding before a real token: models that count positions from
+    the padding mask (OPT) would compute other ones, and their attention refuses this."""
     calls: int = 0
     """Attention calls that used this context (``record_call``): a model that never calls
     the registered attention function leaves it at 0 (``check_consumed``)."""
@@ -129,10 +133,14 @@ def shard_batch(batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, extra_
         ``num_items_in_batch`` (the GLOBAL count of targets, so the model's loss is this
         rank's share of the global mean); ``ring_context`` (a ``RingContext`` for the
         attention function); and the ``extra_keys``.
-        S need not divide W: padding slots get their row's first token (not 0: a padding
-        id may have a zero embedding, and models such as Gemma 3n take roots of its
-        magnitude without an epsilon, whose gradient is then infinite) and no target;
-        they are masked as keys, so no real token sees them.
+        S need not divide W: padding slots get no target and are masked as keys, so no
+        real token sees them. They, and a row's left padding (the tokens before its first
+        real one), hold the row's first real token in ``input_ids``: such a query sees no
+        key, so its attention output is 0, and a padding id with a zero embedding would
+        leave its hidden state exactly 0 through the model, where roots of its magnitude
+        (Gemma 3n's AltUp, without an epsilon) have an infinite gradient; that turns the
+        zero gradient of these tokens into NaN in every parameter. Their logits are
+        meaningless, as one process's are.
 
     Raises:
         ValueError: a missing or misshapen ``input_ids``, inconsistent shapes, bad
@@ -154,15 +162,21 @@ def shard_batch(batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, extra_
     pos_local = positions(s, group=pg, layout=layout, cu_seqlens=cu)
     global_pos = pos_local[0] if cu is not None else pos_local
     real = global_pos < s  # local slots holding tokens (the rest pad S up to W shards)
-    slot_ids = torch.where(real.to(ids.device), shard(ids, **kw), ids[:, :1])
-    local = {"input_ids": slot_ids}
+    keep = batch.get("attention_mask")
+    if keep is not None:  # left padding and the S-padding slots get the first real token
+        leading_B = (keep.to(torch.bool).cumsum(1) == 0).sum(1).clamp(max=s - 1)
+        first_B1 = ids.gather(1, leading_B[:, None].to(ids.device))
+        ids = torch.where(torch.arange(s, device=ids.device) < leading_B[:, None].to(ids.device),
+                          first_B1, ids)
+    else:
+        first_B1 = ids[:, :1]
+    local = {"input_ids": torch.where(real.to(ids.device), shard(ids, **kw), first_B1)}
     if batch.get("position_ids") is not None:
         local["position_ids"] = shard(batch["position_ids"], **kw)
     elif cu is not None:  # RoPE restarts in every document
         local["position_ids"] = pos_local[1].to(ids.device).expand(b, -1)
     else:
         local["position_ids"] = shard(torch.arange(s, device=ids.device).expand(b, s), **kw)
-    keep = batch.get("attention_mask")
     if batch.get("labels") is not None:
         labels = batch["labels"]
         shifted = torch.full_like(labels, ignore_index)
@@ -177,7 +191,7 @@ def shard_batch(batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, extra_
         local["num_items_in_batch"] = (shifted != ignore_index).sum()
     for key in extra_keys:
         local[key] = shard(batch[key], **kw)
-    mask, left = None, None
+    mask, left, slot_positions = None, None, False
     if keep is not None and bool((keep == 0).any()):
         real_keys = keep.to(torch.bool)
         leading = (real_keys.cumsum(1) == 0).sum(1)
@@ -187,8 +201,12 @@ def shard_batch(batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, extra_
             mask = key_padding(lengths)  # right padding: equal lengths reuse one plan
         else:
             mask = key_mask(real_keys)  # value-keyed too: equal padding reuses one plan
+        # padding before a real token: counting real tokens gives other positions than slots
+        slot_positions = batch.get("position_ids") is None and cu is None and bool(
+            (real_keys & (real_keys.cumsum(1) != torch.arange(1, s + 1, device=keep.device))).any())
     local["ring_context"] = RingContext(pg, layout, s, cu, mask, left, strategy,
-                                        group if is_hybrid_mesh(group) else None)
+                                        group if is_hybrid_mesh(group) else None,
+                                        slot_positions=slot_positions)
     return local
 
 

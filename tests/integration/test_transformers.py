@@ -35,6 +35,8 @@ def _batch(kind, seqlen):
     if kind == "left-padding":
         keep = torch.ones(2, seqlen, dtype=torch.long)
         keep[1, :7] = 0
+        ids = ids.masked_fill(keep == 0, 0)  # the padding id, as tokenizers pad (often a
+        batch["input_ids"] = ids             # zero embedding row: pad_token_id=0 in families.py)
         batch["attention_mask"] = keep
         labels = ids.masked_fill(keep == 0, -100)
         labels[1, 7] = -100  # predicted by a padding token: no target (see shard_batch)
@@ -116,21 +118,20 @@ def _readme_block(first_line: str) -> str:
 
 def readme_training_recipe():
     """Rank side: the README's "Training transformers models" block run exactly as printed,
-    given the names it assumes (config, batch, cp_group): (loss error, worst gradient
-    error) against one process."""
-    import transformers as tf
-
-    block = _readme_block("import ringattn as ra\nfrom ringattn.integrations import transformers")
+    given the names it says are the reader's (config, batch, cp_group): (loss error, worst
+    gradient error) against the same weights in one process. The config is transformers'
+    default ("eager" attention): the block itself must select ring attention (a block that
+    left it to a comment once attended over each rank's shard alone, with no error)."""
+    block = _readme_block("import torch.distributed as dist\nfrom transformers import "
+                          "AutoModelForCausalLM\n\nfrom ringattn.integrations import transformers")
     batch = _batch("left-padding", 29)
+    config = _model("llama", "eager").config  # a fresh copy of the tiny config
+    names = {"config": config, "batch": batch, "cp_group": dist.group.WORLD}
+    exec(compile(block, "README.md", "exec"), names)
     ref_model = _model("llama", "eager")
+    ref_model.load_state_dict(names["model"].state_dict())  # the README model's weights
     ref = ref_model(**batch, use_cache=False)
     ref.loss.backward()
-    config = _model("llama", "eager").config  # a fresh copy of the tiny config
-    config._attn_implementation = "ringattn"  # as the README's comment says it is
-    torch.manual_seed(0)  # what _model seeds: the README's model gets the reference's weights
-    names = {"config": config, "batch": batch, "cp_group": dist.group.WORLD,
-             "LlamaForCausalLM": tf.LlamaForCausalLM, "dist": dist}
-    exec(compile(block, "README.md", "exec"), names)
     grads = max(rel_err(p.grad, q.grad) for p, q in
                 zip(names["model"].parameters(), ref_model.parameters()))
     return rel_err(names["loss"], ref.loss), grads

@@ -47,7 +47,7 @@ from ..batch import shard_batch
 from ..layouts import DEFAULT_LAYOUT
 from ..masks import and_keys, chunked_key
 
-__all__ = ["NAME", "ModelMask", "check_model", "prepare_batch", "register",
+__all__ = ["NAME", "ModelMask", "check_attention", "check_model", "prepare_batch", "register",
            "ring_attention_forward"]
 
 NAME = "ringattn"
@@ -100,6 +100,13 @@ def _config_problem(config) -> str | None:
     return None
 
 
+def _computes_attention_itself(what: str) -> str:
+    """check_model's message for a model that never calls the attention interface."""
+    return (f"{what} computes attention itself instead of calling transformers' attention "
+            f"interface, so attn_implementation={NAME!r} would never run and every rank would "
+            f"attend over its shard alone")
+
+
 def check_model(model, config=None) -> None:
     """Refuse a model that ring attention cannot run exactly on shards.
 
@@ -115,15 +122,41 @@ def check_model(model, config=None) -> None:
     """
     cls = model if isinstance(model, type) else type(model)
     if hasattr(cls, "is_backend_compatible") and not cls.is_backend_compatible():
-        raise ValueError(
-            f"{cls.__name__} computes attention itself instead of calling transformers' "
-            f"attention interface, so attn_implementation={NAME!r} would never run and every "
-            f"rank would attend over its shard alone"
-        )
+        raise ValueError(_computes_attention_itself(cls.__name__))
     config = getattr(model, "config", None) if config is None else config
     problem = None if config is None or isinstance(config, property) else _config_problem(config)
     if problem is not None:
         raise ValueError(f"ring attention cannot run {cls.__name__} exactly: {problem}")
+
+
+def check_attention(model) -> None:
+    """Refuse a model whose attention implementation is not ring attention.
+
+    Arguments:
+        model: a transformers model.
+
+    Raises:
+        ValueError: ``model.config._attn_implementation`` names a function other than the
+            one ``register()`` registered (transformers' "eager", "sdpa", ...: every rank
+            would attend over its own shard alone, with no error).
+    """
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl is None or config is None:
+        raise ValueError(f"{type(model).__name__} has no config._attn_implementation; ring "
+                         f"attention runs transformers models built with "
+                         f"attn_implementation={NAME!r}")
+    from transformers import AttentionInterface
+
+    fn = AttentionInterface().get(impl) if isinstance(impl, str) else None
+    if fn is not ring_attention_forward:
+        raise ValueError(
+            f"{type(model).__name__} runs attention implementation {impl!r}, not ring "
+            f"attention: every rank would attend over its own shard alone. Call "
+            f"ringattn.integrations.transformers.register(), then build the model with "
+            f"attn_implementation={NAME!r} (from_pretrained/from_config) or call "
+            f"model.set_attn_implementation({NAME!r})"
+        )
 
 
 POSITIONS_FROM_MASK = frozenset({"opt", "biogpt"})
@@ -132,9 +165,11 @@ POSITIONS_FROM_MASK = frozenset({"opt", "biogpt"})
 
 
 def prepare_batch(model, batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, **kwargs) -> dict:
-    """``check_model`` then ``ringattn.shard_batch``, with the position ids this model would
-    compute on the whole batch (``shard_batch`` alone gives slot indices 0..S-1, what
-    Llama-style models compute; OPT-style models count real tokens from the padding mask).
+    """``check_attention`` and ``check_model``, then ``ringattn.shard_batch``, with the
+    position ids this model would compute on the whole batch (``shard_batch`` alone gives
+    slot indices 0..S-1, what Llama-style models compute; OPT-style models count real
+    tokens from the padding mask, and their attention refuses a left-padded batch from
+    ``shard_batch`` alone).
 
     Arguments:
         model: the transformers model (attn_implementation "ringattn").
@@ -144,8 +179,10 @@ def prepare_batch(model, batch: dict, *, group=None, layout: str = DEFAULT_LAYOU
         This rank's shard of the batch, for ``model(**local)``.
 
     Raises:
-        ValueError: from ``check_model`` or ``shard_batch``.
+        ValueError: from ``check_attention`` (the model's attention is not ring
+            attention), ``check_model`` or ``shard_batch``.
     """
+    check_attention(model)
     check_model(model)
     keep = batch.get("attention_mask")
     family = getattr(getattr(model, "config", None), "model_type", None)
@@ -170,11 +207,44 @@ class ModelMask:
     """The model overlaid a mask function of its own (or_mask/and_mask): not translatable."""
     padded: bool = False
     """A 2-D attention_mask reached the model (padding must go through shard_batch)."""
+    family: str = "the model"
+    """The config's model_type, for messages."""
+
+    def __getattr__(self, name: str):
+        # Only a model that uses the mask object itself (``.to``, ``.dtype``, indexing...)
+        # instead of handing it to the attention interface gets here: MPT, which computes
+        # attention itself. The error is an AttributeError too, so ``hasattr`` probes still
+        # answer False.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise _MaskUsed(f"{_computes_attention_itself(self.family)} (it used the attention "
+                        f"mask's {name!r}; see integrations.transformers.check_model)")
+
+    def _used_as_tensor(self, *args):
+        self.__getattr__("tensor operations")
+
+    __add__ = __radd__ = __mul__ = __rmul__ = __getitem__ = _used_as_tensor
+
+
+class _MaskUsed(ValueError, AttributeError):
+    """A model used ``ModelMask`` as a tensor: it computes attention itself."""
 
 
 def _model_mask(*, mask_function=None, local_size=None, config=None, attention_mask=None,
                 use_vmap=False, allow_is_bidirectional_skip=None, **kwargs) -> ModelMask:
-    """AttentionMaskInterface function: describe the requested mask, build nothing."""
+    """AttentionMaskInterface function: describe the requested mask, build nothing.
+
+    Raises:
+        ValueError: a config ``check_model`` refuses (Doge computes a mask of its own from
+            this one: refused here, before it uses it).
+    """
+    family = str(getattr(config, "model_type", None) or "the model")
+    problem = None if config is None else _config_problem(config)
+    if problem is not None:
+        raise ValueError(f"ring attention cannot run {family} exactly: {problem}")
+    base = _base_model_class(config)
+    if base is not None and not base.is_backend_compatible():
+        raise ValueError(_computes_attention_itself(f"{family} ({base.__name__})"))
     bidirectional = allow_is_bidirectional_skip is not None
     if local_size is None:
         kind = "bidirectional" if bidirectional else "causal"
@@ -186,7 +256,19 @@ def _model_mask(*, mask_function=None, local_size=None, config=None, attention_m
         kind = "chunked" if chunk == local_size and window != local_size else "sliding"
         if chunk == local_size and window == local_size:
             kind = "ambiguous"
-    return ModelMask(kind, local_size, custom=bool(use_vmap), padded=attention_mask is not None)
+    return ModelMask(kind, local_size, custom=bool(use_vmap), padded=attention_mask is not None,
+                     family=family)
+
+
+def _base_model_class(config):
+    """The transformers base model class of ``config``'s family (``AutoModel``'s mapping),
+    or None for a config it does not know."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    try:
+        return MODEL_MAPPING[type(config)]
+    except (KeyError, ValueError):
+        return None
 
 
 def _ring_arguments(module, attention_mask, sliding_window, is_causal, ring_context):
@@ -260,9 +342,19 @@ def ring_attention_forward(module, query, key, value, attention_mask=None, dropo
         raise ValueError(f"ring attention has no attention dropout, got dropout={dropout}")
     if output_attentions or head_mask is not None:
         raise TypeError("ring attention returns no attention weights and takes no head_mask")
-    problem = _config_problem(getattr(module, "config", None))
+    config = getattr(module, "config", None)
+    problem = _config_problem(config)
     if problem is not None:
         raise ValueError(f"ring attention cannot run this model exactly: {problem}")
+    family = getattr(config, "model_type", None)
+    if family in POSITIONS_FROM_MASK and ring_context.slot_positions:
+        raise ValueError(
+            f"{family} counts its position ids from the attention mask (a left-padded row "
+            f"starts at 0 on its first real token), but this batch's position_ids are the slot "
+            f"indices ringattn.shard_batch makes: shard it with "
+            f"ringattn.integrations.transformers.prepare_batch(model, batch), or give the "
+            f"batch position_ids"
+        )
     if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
         raise ValueError(
             f"{type(module).__name__} scales its queries by position (attn_temperature_tuning) "
