@@ -34,7 +34,7 @@ def _launch(cmd, cwd):
     return None if proc.returncode == 0 else (proc.stdout[-3000:] + proc.stderr[-6000:])
 
 
-CP_SCENARIOS = "accumulate,resume,bf16,parallelism,ulysses"
+CP_SCENARIOS = "accumulate,resume,bf16,parallelism,ulysses,readme,refusals"
 
 
 @pytest.fixture(scope="module")
@@ -212,3 +212,30 @@ def test_hybrid_strategy_steps_like_one_process(runs, worst_errors):
     for rank, res in enumerate(per_rank):
         for key in ("loss", "grad_norm", "eval_loss"):
             _assert_close(worst_errors, f"hybrid {key}", res[key], ref[key], rank)
+
+
+@pytest.mark.timeout(600)
+def test_readme_trainer_block_as_printed_steps_like_one_process(runs, worst_errors):
+    """The README's RingTrainer block, executed as printed on 2 ranks (its model built by
+    from_config with attn_implementation="ringattn"), logs the losses, gradient norms and
+    eval loss of a plain Trainer in one process."""
+    ref, ranks = _results(runs, "readme")
+    assert len(ref["loss"]) == 3
+    for rank, got in enumerate(ranks):
+        for key in ("loss", "grad_norm", "eval_loss"):
+            _assert_close(worst_errors, f"README {key}", got[key], ref[key], rank)
+
+
+@pytest.mark.timeout(600)
+def test_refusals_name_the_real_cause_on_every_rank(runs):
+    """Under torchrun on CPU ranks without use_cpu=True, transformers sets up no DDP (each
+    rank once trained alone: different parameters, rank 0's share logged as the loss, exit
+    0): RingTrainer refuses it before training, naming use_cpu. A model whose attention is
+    eager is refused by name (its message once blamed DistributedDataParallel)."""
+    _, ranks = _results(runs, "refusals")
+    for rank, got in enumerate(ranks):
+        assert got["no_use_cpu"] is not None and "use_cpu=True" in got["no_use_cpu"], (rank, got)
+        assert "DistributedDataParallel" not in got["no_use_cpu"], (rank, got)
+        eager = got["eager"] or ""
+        assert "'eager'" in eager and "not ring attention" in eager, (rank, got)
+        assert "DistributedDataParallel" not in eager, (rank, got)

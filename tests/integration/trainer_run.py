@@ -25,6 +25,12 @@ Scenarios (``--scenarios``, comma separated):
   no accumulation, then ``evaluate``.
 * ``ulysses``: ``RingTrainer(strategy="ulysses")``: three steps, then ``evaluate``.
 * ``hybrid``: ``RingTrainer(strategy="hybrid", ulysses_size=2)`` on 4 ranks, the same.
+* ``readme``: the README's ``RingTrainer`` block, executed as printed with the names it
+  says are the reader's (``config``, ``args``, ``ds``, ``ev``): three steps; ``--ref``
+  trains the same model built the same way with eager attention and a plain Trainer.
+* ``refusals`` (CP only; last: a Trainer without ``use_cpu`` leaves accelerate's shared
+  state without DDP): the errors of RingTrainer with ``use_cpu=False`` on these CPU
+  ranks, and with a model whose attention is "eager".
 """
 
 import argparse
@@ -191,8 +197,71 @@ def hybrid(ref, out):
     return res
 
 
+def _readme_block(first_line: str) -> str:
+    """The README's ```python block that starts with ``first_line``, verbatim."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = text.index("```python\n" + first_line) + len("```python\n")
+    return text[start:text.index("```", start)]
+
+
+def readme(ref, out):
+    """The README's RingTrainer block as printed (CP), or the same run in one process."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(out / "readme"), use_cpu=True, max_steps=3,
+                             per_device_train_batch_size=2, per_device_eval_batch_size=2,
+                             optim="sgd", learning_rate=0.5, max_grad_norm=0, logging_steps=1,
+                             report_to=[], save_strategy="no", seed=0, disable_tqdm=True,
+                             lr_scheduler_type="constant")
+    names = {"config": tiny_causal_lm("llama", "eager").config, "args": args,
+             "ds": Rows(8, 3), "ev": Rows(5, 4)}
+    torch.manual_seed(0)  # the same initial weights in both runs
+    if ref:
+        model = AutoModelForCausalLM.from_config(names["config"], attn_implementation="eager")
+        trainer = Trainer(model=model, args=args, train_dataset=names["ds"],
+                          eval_dataset=names["ev"])
+        trainer.train()
+    else:
+        block = _readme_block("from transformers import AutoModelForCausalLM\n\nfrom ringattn."
+                              "integrations import transformers as ra_hf\nfrom ringattn."
+                              "integrations.hf_trainer import RingTrainer")
+        exec(compile(block, "README.md", "exec"), names)
+        trainer = names["trainer"]
+    res = {"loss": logged(trainer, "loss"), "grad_norm": logged(trainer, "grad_norm")}
+    res["eval_loss"] = trainer.evaluate()["eval_loss"]
+    return res
+
+
+def refusals(ref, out):
+    """What RingTrainer says, on each rank, before training: with a model whose attention
+    is eager, and without use_cpu=True on CPU ranks (transformers then sets up no DDP)."""
+    from transformers import TrainingArguments
+
+    from ringattn.integrations.hf_trainer import RingTrainer
+
+    if ref:
+        return {}
+
+    def error(make):
+        try:
+            make()
+        except ValueError as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    eager_args = TrainingArguments(output_dir=str(out / "refusals"), use_cpu=True, report_to=[],
+                                   max_steps=1)
+    return {
+        "eager": error(lambda: RingTrainer(model=tiny_causal_lm("llama", "eager"),
+                                           args=eager_args, train_dataset=Rows(8, 3))),
+        "no_use_cpu": error(lambda: make_trainer(ref, out / "refusals", max_steps=1,
+                                                 use_cpu=False)),
+    }
+
+
 SCENARIOS = {"accumulate": accumulate, "resume": resume, "bf16": bf16,
-             "parallelism": parallelism, "dp_cp": dp_cp, "ulysses": ulysses, "hybrid": hybrid}
+             "parallelism": parallelism, "dp_cp": dp_cp, "ulysses": ulysses, "hybrid": hybrid,
+             "readme": readme, "refusals": refusals}
 
 
 def main():

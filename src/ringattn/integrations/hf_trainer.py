@@ -84,7 +84,7 @@ from ..batch import shard_batch
 from ..comm import hybrid_mesh
 from ..layouts import DEFAULT_LAYOUT
 from ..sharding import unshard
-from .transformers import check_model
+from .transformers import check_attention, check_model
 
 _SAMPLING = ("random", "sequential")
 
@@ -112,8 +112,11 @@ class RingTrainer(Trainer):
             prediction run the whole eval set on every dp replica (redundant, exact).
 
     Raises:
-        ValueError: a model ``integrations.transformers.check_model`` refuses (and, at the
-            first step, one that never called ring attention); ``compute_loss_func``,
+        ValueError: a model whose attention is not ring attention
+            (``integrations.transformers.check_attention``) or that ``check_model`` refuses
+            (and, at the first step, one that never called ring attention); arguments that
+            give accelerate fewer processes than torch.distributed has ranks (no DDP: on
+            CPU ranks without ``use_cpu=True``); ``compute_loss_func``,
             ``label_smoothing_factor`` or a
             ``train_sampling_strategy`` other than "random"/"sequential"; torch.distributed
             not initialised (launch with torchrun); a ``parallelism_config`` with a
@@ -145,7 +148,9 @@ class RingTrainer(Trainer):
                 f"parallelism_config (dp_replicate={pc.dp_replicate_size}, dp_shard="
                 f"{pc.dp_shard_size}, cp={pc.cp_size}, tp={pc.tp_size}, sp={pc.sp_size}) is not "
                 f"supported (see ringattn.integrations.hf_trainer's docstring)")
+        check_attention(self.model)
         check_model(self.model)
+        _check_ranks_are_processes(self.accelerator, self.args)
         self.layout, self.strategy = layout, check_strategy(strategy)
         self.cp_group, self.dp_group, self.dp_rank, self.dp_size = _mesh(cp_size, self.args.device)
         self.attn_group = (hybrid_mesh(self.cp_group, ulysses_size) if strategy == "hybrid"
@@ -244,7 +249,7 @@ class RingTrainer(Trainer):
         if num_items_in_batch is not None:
             local = {**local, "num_items_in_batch": num_items_in_batch}
         outputs = model(**local, use_cache=False)
-        local["ring_context"].check_consumed(model)
+        local["ring_context"].check_consumed(self.model)  # named as built, not as wrapped (DDP)
         loss = outputs.loss * self.accelerator.num_processes
         return (loss, outputs) if return_outputs else loss
 
@@ -301,6 +306,30 @@ class RingTrainer(Trainer):
         if state.end_of_dataloader and state.remainder > 0:
             return recursively_apply(lambda t: t[: state.remainder], data)
         return data
+
+
+def _check_ranks_are_processes(accelerator, args) -> None:
+    """Refuse a Trainer that did not make every torch.distributed rank one of its processes.
+
+    Under torchrun on CPU ranks without ``use_cpu=True``, transformers 5.24 finds no GPU,
+    leaves ``parallel_mode`` NOT_PARALLEL and accelerate DistributedType.NO: no DDP, so each
+    rank would step on its own share of the gradient and log its own share of the loss.
+
+    Raises:
+        ValueError: accelerate counts fewer processes than the world has ranks.
+    """
+    world = dist.get_world_size()
+    if accelerator.num_processes == world:
+        return
+    hint = ("these are CPU ranks: pass use_cpu=True to TrainingArguments"
+            if not args.use_cpu and not torch.cuda.is_available() else
+            "launch one process per rank with torchrun and let TrainingArguments set up "
+            "distributed training")
+    raise ValueError(
+        f"RingTrainer needs DDP over the {world} ranks of torch.distributed, but "
+        f"TrainingArguments set up {accelerator.num_processes} process(es) (parallel_mode "
+        f"{args.parallel_mode.value}, accelerate {accelerator.distributed_type.value}): each "
+        f"rank would update its weights with its own share of the gradient; {hint}")
 
 
 def _mesh(cp_size, device):
