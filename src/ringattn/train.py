@@ -170,6 +170,20 @@ class TrainConfig:
                     f"data={self.data!r} has {size} bytes, fewer than seqlen={self.seqlen}"
                 )
 
+    def check_world(self, world: int) -> None:
+        """Refuse a world size W this configuration cannot run on (``spawn`` and the CLI
+        call it before starting any rank).
+
+        Raises:
+            ValueError: W not an int >= 1, or (strategy "hybrid") ``ulysses`` not a
+                divisor of W.
+        """
+        if not _is_int(world, 1):
+            raise ValueError(f"world must be an int >= 1, got {world!r}")
+        if self.strategy == "hybrid" and world % self.ulysses:
+            raise ValueError(f"strategy 'hybrid' needs ulysses={self.ulysses} to divide the "
+                             f"world of {world} ranks")
+
     @property
     def vocab(self) -> int:
         """Vocabulary size V of the model."""
@@ -513,7 +527,8 @@ def spawn(cfg, *, world: int, progress: bool = True, out_dir: str | None = None,
     """Train under context parallelism on ``world`` local gloo ranks started here.
 
     Arguments:
-        cfg: the configuration of ``fn``.
+        cfg: the configuration of ``fn``, with a ``check_world(world)`` method that
+            raises ValueError for a world it cannot run on (called before any rank starts).
         world: number of ranks W (each gets cpu_count // W threads, at least 1).
         progress, out_dir: as for ``train``.
         fn: the importable training function every rank calls as
@@ -523,11 +538,12 @@ def spawn(cfg, *, world: int, progress: bool = True, out_dir: str | None = None,
         rank 0's result of ``fn``.
 
     Raises:
-        ValueError: world < 1.
+        ValueError: a world the configuration cannot run on (``cfg.check_world``).
         torch.multiprocessing.ProcessRaisedException: when a rank fails.
     """
     if not _is_int(world, 1):
         raise ValueError(f"world must be an int >= 1, got {world!r}")
+    cfg.check_world(world)
     with tempfile.TemporaryDirectory(prefix="ringattn-train-") as tmp:
         init_file, result_path = os.path.join(tmp, "store"), os.path.join(tmp, "result.json")
         mp.spawn(_spawned_rank, args=(cfg, world, init_file, result_path, progress, out_dir, fn),
@@ -556,9 +572,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"token placement on the ranks (default {d.layout})")
     parser.add_argument("--strategy", choices=STRATEGY_CHOICES, default=d.strategy,
                         help=f"how attention runs over the shards (default {d.strategy})")
-    parser.add_argument("--ulysses", type=int, default=d.ulysses,
-                        help=f"with --strategy hybrid: ranks of the Ulysses dimension "
-                             f"(default {d.ulysses})")
+    parser.add_argument("--ulysses", type=int, default=None,
+                        help=f"with --strategy hybrid only: ranks of the Ulysses dimension, a "
+                             f"divisor of the world (default {d.ulysses})")
     parser.add_argument("--out", default="train_out",
                         help="output directory for train.json and loss.png (default train_out/)")
     parser.add_argument("--no-progress", dest="progress", action="store_false",
@@ -576,13 +592,21 @@ def run_from_args(args: argparse.Namespace) -> dict:
         the result of ``train`` (rank 0's when ranks were spawned).
 
     Raises:
-        ValueError: a bad option, naming it.
+        ValueError: a bad option, naming it, before any rank starts or joins the group.
     """
-    fields = ("steps", "seqlen", "batch", "layout", "strategy", "ulysses", "data", "copy_vocab", "hidden",
+    fields = ("steps", "seqlen", "batch", "layout", "strategy", "data", "copy_vocab", "hidden",
               "intermediate", "heads", "kv_heads", "layers", "lr", "init_std", "seed",
               "log_every")
-    cfg = TrainConfig(**{k: getattr(args, k) for k in fields})
-    if "WORLD_SIZE" in os.environ:  # torchrun: RANK, WORLD_SIZE, MASTER_ADDR/PORT from env
+    ulysses = getattr(args, "ulysses", None)
+    if ulysses is not None and args.strategy != "hybrid":
+        raise ValueError(f"--ulysses applies only with --strategy hybrid, got --strategy "
+                         f"{args.strategy}")
+    cfg = TrainConfig(**{k: getattr(args, k) for k in fields},
+                      **({} if ulysses is None else {"ulysses": ulysses}))
+    torchrun = "WORLD_SIZE" in os.environ  # torchrun: RANK, WORLD_SIZE, MASTER_ADDR/PORT
+    if torchrun or args.attn == ra_hf.NAME:
+        cfg.check_world(int(os.environ["WORLD_SIZE"]) if torchrun else args.world)
+    if torchrun:
         if args.attn != ra_hf.NAME:
             raise ValueError(f"under torchrun --attn must be {ra_hf.NAME!r}, got {args.attn!r}")
         dist.init_process_group("gloo")

@@ -34,7 +34,7 @@ def test_torchrun_on_text_equals_one_process(tmp_path, strategy, world):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(world), "-m", "ringattn.train", "--data", str(data), "--out", str(out), *ARGS,
-           "--strategy", strategy, "--ulysses", "2"]
+           "--strategy", strategy, *(["--ulysses", "2"] if strategy == "hybrid" else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -86,3 +86,59 @@ def test_eagle3_under_torchrun_dp_x_cp_equals_one_process(tmp_path):
     for step, (a, b) in enumerate(zip(got["loss"], want["loss"], strict=True)):
         assert abs(a - b) <= 1e-5 * abs(b), (step, a, b)
     assert got["step_accuracy"] == want["step_accuracy"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv,torchrun_world,named", [
+    (["train", "--world", "3", "--strategy", "hybrid", "--ulysses", "2"], None,
+     "ulysses=2 to divide the world of 3"),
+    (["train", "--strategy", "hybrid", "--ulysses", "2"], "3", "ulysses=2 to divide the world of 3"),
+    (["train", "--world", "3", "--ulysses", "2"], None, "--ulysses applies only with --strategy hybrid"),
+    (["train", "--world", "0"], None, "world must be an int >= 1"),
+    (["demo", "--target", "lm", "--world", "0"], None, "world must be an int >= 1"),
+])
+def test_cli_refuses_arguments_before_spawning(monkeypatch, capsys, argv, torchrun_world, named):
+    """Arguments that cannot run exit with status 2 and one line naming them, before any
+    rank is spawned or joins a group (``--world 3 --strategy hybrid --ulysses 2`` once
+    failed after 45 s of spawning with a 40-line traceback)."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    def started(*args, **kwargs):
+        raise AssertionError("a rank was started before the arguments were checked")
+
+    monkeypatch.setattr(mp, "spawn", started)
+    monkeypatch.setattr(dist, "init_process_group", started)
+    if torchrun_world is not None:
+        monkeypatch.setenv("WORLD_SIZE", torchrun_world)
+    else:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*argv, *ARGS] if argv[0] == "train" else argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert named in err and len(err.strip().splitlines()) <= 3, err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("torchrun", [False, True])
+def test_eagle3_cli_refuses_a_world_that_dp_does_not_divide(monkeypatch, capsys, torchrun):
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    from ringattn.eagle3 import train as eagle3_train
+
+    def started(*args, **kwargs):
+        raise AssertionError("a rank was started before the arguments were checked")
+
+    monkeypatch.setattr(mp, "spawn", started)
+    monkeypatch.setattr(dist, "init_process_group", started)
+    if torchrun:
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", "3")
+    else:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        eagle3_train.main(["--world", "3", "--dp", "2", "--steps", "1"])
+    assert exc.value.code == 2
+    assert "does not split into dp=2" in capsys.readouterr().err

@@ -133,6 +133,19 @@ class Eagle3Config:
         if self.pack and (self.data is None or self.batch != 1):
             raise ValueError("pack needs data and batch=1 (packed rows carry their own documents)")
 
+    def check_world(self, world: int) -> None:
+        """Refuse a world size W this configuration cannot run on (``spawn`` and the CLI
+        call it before starting any rank).
+
+        Raises:
+            ValueError: W not an int >= 1, or not a multiple of ``dp``.
+        """
+        if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+            raise ValueError(f"world must be an int >= 1, got {world!r}")
+        if world % self.dp:
+            raise ValueError(f"the world of {world} ranks does not split into dp={self.dp} "
+                             f"replicas")
+
 
 def build_target(cfg: Eagle3Config, attn_implementation: str):
     """The frozen target: ``cfg.target`` loaded (``load_target``), or a tiny random
@@ -606,9 +619,11 @@ def main(argv=None) -> int:
                            accumulate=args.accumulate, draft_vocab=args.draft_vocab, lr=args.lr,
                            warmup=args.warmup, grad_clip=args.grad_clip, dtype=args.dtype,
                            save_every=args.save_every)
+        torchrun = "LOCAL_RANK" in os.environ
+        cfg.check_world(int(os.environ.get("WORLD_SIZE", 1)) if torchrun else args.world)
     except ValueError as exc:
         parser.error(str(exc))
-    if "LOCAL_RANK" in os.environ:  # torchrun
+    if torchrun:
         dist.init_process_group("gloo")
         try:
             train_eagle3(cfg, group=dist.group.WORLD, out_dir=args.out, resume=args.resume)
