@@ -29,8 +29,13 @@ call raises a TypeError naming it; nothing is dropped:
 * per-call model kwargs that are not attention arguments (``position_ids``,
   ``num_items_in_batch``, ...; ``NOT_ATTENTION_KWARGS``) are ignored.
 
-``prepare_batch`` (``check_model``, then ``shard_batch`` with the position ids the model
-would compute: OPT-style models count real tokens of a padded row) is the safe entry.
+``prepare_batch`` (``check_attention``, ``check_model``, then ``shard_batch`` with the
+position ids the model would compute: OPT-style models count real tokens of a padded row)
+is the safe entry. ``shard_batch`` alone then ``model(**local)`` is exact or refused too:
+the attention function refuses an OPT-style model on a batch whose positions
+``shard_batch`` made where they differ (padding before a real token), and the mask
+function refuses, with ``check_model``'s message, configs it refuses and models whose
+family computes attention itself (they would use the mask object as a tensor).
 ``check_model`` refuses what the attention function alone cannot see: model classes that
 compute attention themselves (``is_backend_compatible()`` False: bloom, codegen, xglm, ...),
 and models whose other sequence layers (state-space, linear attention, convolution) or
@@ -320,8 +325,10 @@ def ring_attention_forward(module, query, key, value, attention_mask=None, dropo
 
     Raises:
         TypeError: an argument ring attention does not implement (named), or a mask it
-            cannot translate. ValueError: no ring context, dropout, or a model that
-            ``check_model`` refuses.
+            cannot translate. ValueError: no ring context, dropout, a model that
+            ``check_model`` refuses, or an OPT-style model (``POSITIONS_FROM_MASK``) on a
+            batch whose slot positions differ from the ones it counts (use
+            ``prepare_batch``).
     """
     if ring_context is None:
         raise ValueError(
