@@ -26,7 +26,7 @@ def test_load_target_equals_the_saved_model(tmp_path):
     ids = torch.randint(cfg.vocab, (2, 20), generator=torch.Generator().manual_seed(0))
     assert torch.equal(loaded(input_ids=ids).logits, target(input_ids=ids).logits)
     assert not any(p.requires_grad for p in loaded.parameters()) and not loaded.training
-    assert loaded.eagle3_aux_layers == (0, 2, 3)
+    assert loaded.eagle3_aux_layers == (0, 1, 2)
     assert load_target(path).config._attn_implementation == "ringattn"  # the default, checked
     with pytest.raises(ValueError, match="no config.json"):
         load_target(str(tmp_path / "nowhere"))
@@ -65,7 +65,7 @@ def test_offline_outputs_train_like_the_online_target(clusters, tmp_path):
                 "loss_mask": (torch.arange(n) >= 3).long()} for n in (40, 33)]
     index = precompute(load_target(path, attn_implementation="sdpa"), samples,
                        str(tmp_path / "offline"), dtype="float32")
-    assert [e["length"] for e in index["samples"]] == [40, 33] and index["aux_layers"] == [0, 2, 3]
+    assert [e["length"] for e in index["samples"]] == [40, 33] and index["aux_layers"] == [0, 1, 2]
     for rank, errs in enumerate(clusters(2).run(run_offline, path, str(tmp_path / "offline"),
                                                 timeout=180)):
         bad = {k: v for k, v in errs.items() if not v <= FP32_TOL}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ringattn.eagle3 import evaluate
-from ringattn.eagle3.draft import eagle3_step, run_target
+from ringattn.eagle3.draft import capture_aux_hidden, eagle3_step, run_target
 from ringattn.eagle3.evaluate import draft_chain, mean_accepted_length, speculative_generate
 from ringattn.eagle3.train import Eagle3Config, build_draft, build_target, train_eagle3
 
@@ -80,8 +80,8 @@ def test_the_chain_is_the_training_step_at_the_last_index(models):
             seq = torch.cat([prompt, torch.tensor(want[:done])])[None]  # S verified tokens
             s = seq.shape[1]
             with torch.no_grad():
-                out = target(input_ids=seq, output_hidden_states=True, use_cache=False)
-            aux = torch.cat([out.hidden_states[i + 1] for i in draft.aux_layers], dim=-1)
+                _, aux = capture_aux_hidden(target, draft.aux_layers, input_ids=seq,
+                                            use_cache=False)
             proposals, logits = draft_chain(draft, seq, aux, k)
             # training on [verified tokens, d_1 .. d_{k-1}]: index S-2 reads t_{S-1}, d_1, ...
             batch = {"input_ids": torch.cat([seq, torch.tensor([proposals[:-1]])], dim=1)}

@@ -79,7 +79,7 @@ def test_sglang_format(tmp_path, target, dtype):
     assert config["draft_vocab_size"] == 48 and config["target_hidden_size"] == 64
     assert config["torch_dtype"] == str(dtype).removeprefix("torch.")
     # decoder-layer indices whose outputs are read (aux_layer_ids(4))
-    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 2, 3],
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 1, 2],
                                       "use_aux_hidden_state": True}
     _check_tensors(tmp_path, "midlayer.", dtype)  # no embedding: SGLang uses the target's
     _round_trip(draft, load_draft(tmp_path, embed_tokens=target.get_input_embeddings().weight))
@@ -93,7 +93,7 @@ def test_speculators_format(tmp_path, target, dtype):
     assert config["architectures"] == ["Eagle3Speculator"]
     assert config["speculators_model_type"] == "eagle3"
     assert config["norm_before_residual"] is False  # written out: vLLM defaults to true
-    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # hidden-states indices
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # hidden-states indices
     layer = config["transformer_layer_config"]
     assert {k: layer[k] for k in LAYER_KEYS} == LAYER_KEYS
     assert config["draft_vocab_size"] == 48 and config["target_hidden_size"] == 64

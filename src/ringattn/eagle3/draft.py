@@ -37,26 +37,105 @@ from ..sharding import positions, shard
 from .attention import dense_ttt_attention, ttt_attention
 from .shift import Lookahead
 
-__all__ = ["Eagle3Draft", "TargetOutputs", "StepResult", "aux_layer_ids", "draft_vocabulary",
-           "run_target", "shard_target_outputs", "eagle3_step"]
+__all__ = ["Eagle3Draft", "TargetOutputs", "StepResult", "aux_layer_ids", "capture_aux_hidden",
+           "check_aux_layers", "decoder_layers", "draft_vocabulary", "run_target",
+           "shard_target_outputs", "eagle3_step"]
 
 
 def aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
     """EAGLE3's auxiliary layers (low, middle, high), as 0-based decoder-layer indices whose
-    OUTPUT the draft reads (``output_hidden_states[i + 1]``): SpecForge's default
-    (1, n // 2 - 1, n - 4) where those are strictly increasing (n >= 7); for smaller
-    targets (0, n // 2, n - 1), so that every id is distinct and a server can reproduce
-    the choice.
+    raw OUTPUT the draft reads (before the final norm; ``capture_aux_hidden``): SpecForge's
+    default (1, n // 2 - 1, n - 4) where those are strictly increasing (n >= 7); for
+    4 <= n < 7, (0, (n - 1) // 2, n - 2), which stays below the last layer, whose output
+    SGLang's capture loop never reaches; for n = 3, (0, 1, 2) (vLLM captures the last
+    layer's raw output, SGLang does not).
 
     Raises:
-        ValueError: fewer than 3 layers (three distinct layers are needed).
+        ValueError: fewer than 3 layers (three distinct layers are needed: vLLM captures a
+            repeated id once).
     """
-    if not isinstance(num_layers, int) or num_layers < 3:
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 3:
         raise ValueError(f"Eagle3 reads three distinct target layers; got num_layers={num_layers!r}")
+    if num_layers == 3:
+        return (0, 1, 2)
     ids = (1, num_layers // 2 - 1, num_layers - 4)
     if not ids[0] < ids[1] < ids[2]:
-        ids = (0, num_layers // 2, num_layers - 1)
+        ids = (0, (num_layers - 1) // 2, num_layers - 2)
     return ids
+
+
+def check_aux_layers(layers, num_layers: int | None = None) -> tuple[int, ...]:
+    """``layers`` as a tuple of ints, checked as the servers need them.
+
+    Arguments:
+        num_layers: the target's decoder layers; None: not known here.
+
+    Raises:
+        ValueError: not three strictly ascending ids in [0, num_layers) (vLLM sorts and
+            de-duplicates the ids it captures, so any other order or a repeat would feed
+            ``fc`` other states than training did).
+    """
+    ids = tuple(int(i) for i in layers)
+    top = float("inf") if num_layers is None else num_layers
+    if len(ids) != 3 or any(not 0 <= i < top for i in ids) or not ids[0] < ids[1] < ids[2]:
+        where = "" if num_layers is None else f" in [0, {num_layers})"
+        raise ValueError(f"aux layers must be three strictly ascending decoder-layer indices"
+                         f"{where}, got {tuple(layers)!r}")
+    return ids
+
+
+def decoder_layers(target) -> nn.ModuleList:
+    """The target's decoder layers (``target.model.layers`` for Llama-like models).
+
+    Raises:
+        ValueError: a model without such a list.
+    """
+    for owner in (getattr(target, "model", None), getattr(target, "get_decoder", lambda: None)()):
+        layers = getattr(owner, "layers", None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise ValueError(f"{type(target).__name__} has no decoder-layer list (model.layers): the "
+                     f"auxiliary hidden states cannot be captured")
+
+
+def capture_aux_hidden(target, layers, **forward_kwargs):
+    """Run ``target(**forward_kwargs)`` and capture the raw outputs of decoder ``layers``, as
+    vLLM and SGLang do (``hidden_states + residual`` after the layer, before the final norm;
+    transformers' ``output_hidden_states[i + 1]`` equals it except for the last layer, whose
+    entry there is normed).
+
+    Arguments:
+        layers: decoder-layer indices in [0, n) (repeats allowed).
+        forward_kwargs: the model's call (``output_hidden_states`` is not needed).
+
+    Returns:
+        (the model's output, [B, L, len(layers) * H] the captured states concatenated).
+
+    Raises:
+        ValueError: an index outside the model, or a layer that did not run.
+    """
+    blocks = decoder_layers(target)
+    ids = tuple(int(i) for i in layers)
+    bad = [i for i in ids if not 0 <= i < len(blocks)]
+    if bad:
+        raise ValueError(f"aux layers {bad} lie outside the target's {len(blocks)} decoder layers")
+    seen: dict[int, torch.Tensor] = {}
+
+    def keep(i):
+        def hook(module, args, output):
+            seen[i] = output[0] if isinstance(output, (tuple, list)) else output
+        return hook
+
+    handles = [blocks[i].register_forward_hook(keep(i)) for i in sorted(set(ids))]
+    try:
+        out = target(**forward_kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [i for i in ids if i not in seen]
+    if missing:
+        raise ValueError(f"decoder layers {missing} did not run in the target's forward")
+    return out, torch.cat([seen[i] for i in ids], dim=-1)
 
 
 def draft_vocabulary(token_ids: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
@@ -79,6 +158,22 @@ def top_ids(counts: torch.Tensor, size: int) -> torch.Tensor:
     return torch.sort(order[:size]).values
 
 
+def _check_draft_ids(ids: torch.Tensor, vocab_size: int) -> None:
+    """Raises ValueError unless ``ids`` [Vd] is non-empty, strictly ascending and in [0, V).
+    """
+    if ids.numel() == 0:
+        raise ValueError("the draft vocabulary is empty")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"draft ids must lie in [0, {vocab_size}), got ids from "
+                         f"{int(ids.min())} to {int(ids.max())}")
+    down = torch.nonzero(ids[1:] <= ids[:-1]).flatten()
+    if down.numel():
+        i = int(down[0])
+        raise ValueError(f"draft ids must be strictly ascending (SpecForge, speculators and the "
+                         f"servers assume a sorted draft vocabulary): id {int(ids[i + 1])} at "
+                         f"index {i + 1} follows {int(ids[i])}")
+
+
 class Eagle3Draft(nn.Module):
     """One-layer Eagle3 draft.
 
@@ -87,9 +182,15 @@ class Eagle3Draft(nn.Module):
             num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
             rms_norm_eps, rope parameters); ``vocab_size`` is the TARGET's vocabulary.
         target_hidden_size: width of each of the target's three auxiliary hidden states.
-        draft_ids: [Vd] sorted target ids of the draft vocabulary.
-        aux_layers: the target's three auxiliary layers (``aux_layer_ids``), kept for
-            export; None: not known yet.
+        draft_ids: [Vd] strictly ascending target ids of the draft vocabulary (all V of
+            them: the whole vocabulary, which both formats export without ``d2t``/``t2d``).
+        aux_layers: the target's three auxiliary layers (``aux_layer_ids``), strictly
+            ascending, kept for export; None: not known yet.
+
+    Raises:
+        ValueError: draft ids not strictly ascending or outside [0, V) (SpecForge,
+            speculators and the servers assume a sorted draft vocabulary), or aux layers
+            not three strictly ascending indices >= 0.
     """
 
     def __init__(self, config, target_hidden_size: int, draft_ids: torch.Tensor,
@@ -97,8 +198,10 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         self.config = config
         self.target_hidden_size = target_hidden_size
-        self.aux_layers = None if aux_layers is None else tuple(int(i) for i in aux_layers)
-        """The target layers whose outputs feed ``fc`` (0-based, see ``aux_layer_ids``)."""
+        if aux_layers is not None:
+            aux_layers = check_aux_layers(aux_layers)
+        self.aux_layers = aux_layers
+        """The target layers whose raw outputs feed ``fc`` (0-based, see ``aux_layer_ids``)."""
         from transformers.models.llama.modeling_llama import (
             LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
         )
@@ -106,7 +209,8 @@ class Eagle3Draft(nn.Module):
         h, eps = config.hidden_size, config.rms_norm_eps
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or h // self.heads
-        draft_ids = torch.as_tensor(draft_ids, dtype=torch.long)
+        draft_ids = torch.as_tensor(draft_ids, dtype=torch.long).reshape(-1).cpu()
+        _check_draft_ids(draft_ids, config.vocab_size)
         self.register_buffer("d2t", draft_ids - torch.arange(draft_ids.numel()))
         t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
         t2d[draft_ids] = True
@@ -125,6 +229,12 @@ class Eagle3Draft(nn.Module):
         self.mlp = LlamaMLP(config)
         self.norm = LlamaRMSNorm(h, eps=eps)
         self.lm_head = nn.Linear(h, draft_ids.numel(), bias=False)
+
+    @property
+    def whole_vocabulary(self) -> bool:
+        """Whether the draft predicts every target token (identity mapping: ``d2t`` all
+        zeros)."""
+        return self.d2t.numel() == self.t2d.numel()
 
     @property
     def draft_ids(self) -> torch.Tensor:
@@ -227,17 +337,18 @@ def run_target(target, batch: dict, *, group=None, layout: str = "zigzag",
         pos = _rope_positions(cu, b, s, ids.device)
         # packed: no attention mask and restarting positions, from which transformers
         # builds its document mask (use_cache=False: it does so only without a cache)
-        out = target(input_ids=ids, position_ids=pos, output_hidden_states=True,
-                     attention_mask=None if cu is not None else batch.get("attention_mask"),
-                     use_cache=False)
+        out, aux = capture_aux_hidden(
+            target, layers, input_ids=ids, position_ids=pos, use_cache=False,
+            attention_mask=None if cu is not None else batch.get("attention_mask"))
         local_ids, lm, local_keep = ids, loss_mask, keep
     else:
         sharded = {"input_ids": ids, "attention_mask": batch.get("attention_mask")}
         if cu is not None:
             sharded["cu_seqlens"] = cu
         local = shard_batch(sharded, group=group, layout=layout, strategy=strategy)
-        out = target(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                     ring_context=local["ring_context"], output_hidden_states=True)
+        out, aux = capture_aux_hidden(target, layers, input_ids=local["input_ids"],
+                                      position_ids=local["position_ids"],
+                                      ring_context=local["ring_context"])
         local["ring_context"].check_consumed(target)
         local_ids = local["input_ids"]
         kw = dict(group=group, layout=layout, seqlen=s, cu_seqlens=cu)
@@ -246,7 +357,6 @@ def run_target(target, batch: dict, *, group=None, layout: str = "zigzag",
                if cu is None else local["position_ids"])
         both = shard(torch.stack([loss_mask.to(keep.dtype), keep], -1), **kw)  # one agreement
         lm, local_keep = both[..., 0].to(loss_mask.dtype), both[..., 1]
-    aux = torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1)
     layout = layout if group is not None else "contiguous"  # one process: no shard padding
     return TargetOutputs(aux, out.logits, local_ids, lm, pos, valid, s, layout, group, strategy,
                          local_keep.to(torch.bool), cu)

@@ -39,7 +39,7 @@ import math
 import torch
 
 from .attention import dense_ttt_attention
-from .draft import Eagle3Draft, aux_layer_ids, eagle3_step, run_target
+from .draft import Eagle3Draft, aux_layer_ids, capture_aux_hidden, eagle3_step, run_target
 
 __all__ = ["speculative_generate", "mean_accepted_length", "draft_chain", "held_out_accuracy"]
 
@@ -66,8 +66,7 @@ def _eos_ids(target) -> set[int]:
 def _target_forward(target, ids_1S: torch.Tensor, layers) -> tuple[torch.Tensor, torch.Tensor]:
     """One uncached target forward: (greedy next token after every position [S],
     auxiliary hidden states [1, S, X])."""
-    out = target(input_ids=ids_1S, output_hidden_states=True, use_cache=False)
-    aux = torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1)
+    out, aux = capture_aux_hidden(target, layers, input_ids=ids_1S, use_cache=False)
     return out.logits[0].argmax(-1), aux
 
 

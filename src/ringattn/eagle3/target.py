@@ -6,12 +6,12 @@ Online training runs the frozen target on every batch (``run_target``; under CP 
 transformers integration). Offline training reads what the target would have produced from
 disk, written once by ``precompute`` (``python -m ringattn.eagle3.target``), in this format:
 
-* ``<dir>/index.json``: ``{"format": "ringattn-eagle3-offline", "version": 1,
+* ``<dir>/index.json``: ``{"format": "ringattn-eagle3-offline", "version": 2,
   "aux_layers": [l0, l1, l2], "target_hidden_size": H, "vocab_size": V, "dtype": "...",
   "samples": [{"file": "sample-000000.safetensors", "length": S_i}, ...]}``;
 * one safetensors file per sample: ``input_ids`` [S_i] int64, ``loss_mask`` [S_i] uint8,
-  ``aux_hidden`` [S_i, 3H] (the outputs of decoder layers ``aux_layers``, concatenated, as
-  ``output_hidden_states[i + 1]``), ``logits`` [S_i, V] (the target's), in ``dtype``.
+  ``aux_hidden`` [S_i, 3H] (the raw outputs of decoder layers ``aux_layers``, before the
+  final norm, concatenated: ``capture_aux_hidden``), ``logits`` [S_i, V] (the target's), in ``dtype``.
 
 Logits take S x V values per sample (a 128K vocabulary in bf16 is 256 KB per token): offline
 training trades that disk for not running the target again.
@@ -25,11 +25,14 @@ import os
 import torch
 
 from ..integrations import transformers as ra_hf
-from .draft import aux_layer_ids
+from .draft import aux_layer_ids, capture_aux_hidden, check_aux_layers
 
 __all__ = ["load_target", "precompute", "OfflineSamples", "FORMAT"]
 
 FORMAT = "ringattn-eagle3-offline"
+VERSION = 2
+"""Version 1 stored ``output_hidden_states[i + 1]``, which for the last layer is after the
+final norm; version 2 stores every layer's raw output (what servers feed the draft)."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -75,8 +78,9 @@ def load_target(path: str, *, dtype: str = "float32", attn_implementation: str =
         raise
     if ring:
         ra_hf.check_model(model)
-    model.eagle3_aux_layers = tuple(aux_layers) if aux_layers is not None else \
-        aux_layer_ids(model.config.num_hidden_layers)
+    n = model.config.num_hidden_layers
+    model.eagle3_aux_layers = check_aux_layers(aux_layers, n) if aux_layers is not None else \
+        aux_layer_ids(n)
     return model.eval().requires_grad_(False)
 
 
@@ -103,8 +107,8 @@ def precompute(target, samples, out_dir: str, *, dtype: str = "bfloat16") -> dic
     entries = []
     for i, sample in enumerate(samples):
         ids = torch.as_tensor(sample["input_ids"], dtype=torch.long).reshape(-1)
-        out = target(input_ids=ids[None], output_hidden_states=True, use_cache=False)
-        aux = torch.cat([out.hidden_states[j + 1][0] for j in layers], dim=-1)
+        out, aux = capture_aux_hidden(target, layers, input_ids=ids[None], use_cache=False)
+        aux = aux[0]
         name = f"sample-{i:06d}.safetensors"
         save_file({"input_ids": ids.contiguous(),
                    "loss_mask": torch.as_tensor(sample["loss_mask"]).reshape(-1).to(torch.uint8),
@@ -112,7 +116,7 @@ def precompute(target, samples, out_dir: str, *, dtype: str = "bfloat16") -> dic
                    "logits": out.logits[0].to(_DTYPES[dtype]).contiguous()},
                   os.path.join(out_dir, name))
         entries.append({"file": name, "length": int(ids.numel())})
-    index = {"format": FORMAT, "version": 1, "aux_layers": list(layers),
+    index = {"format": FORMAT, "version": VERSION, "aux_layers": list(layers),
              "target_hidden_size": int(target.config.hidden_size),
              "vocab_size": int(target.config.vocab_size), "dtype": dtype, "samples": entries}
     with open(os.path.join(out_dir, "index.json"), "w") as f:
@@ -137,6 +141,10 @@ class OfflineSamples:
             raise ValueError(f"{path!r} holds no readable offline index ({exc})") from exc
         if self.index.get("format") != FORMAT:
             raise ValueError(f"{file} is not a {FORMAT!r} index")
+        if self.index.get("version") != VERSION:
+            raise ValueError(f"{file} is version {self.index.get('version')!r}, not {VERSION} "
+                             f"(version 1 stored the last layer after the final norm, which "
+                             f"servers do not feed the draft): run precompute again")
         self.path = str(path)
         for entry in self.index["samples"]:
             if not os.path.isfile(os.path.join(self.path, entry["file"])):
