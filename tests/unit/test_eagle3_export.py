@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ringattn.eagle3 import Eagle3Draft, dense_ttt_attention, export_draft, load_draft
-from ringattn.eagle3.train import Eagle3Config, build_draft, build_target, draft_config
+from ringattn.eagle3.train import Eagle3Config, build_draft, build_target, draft_config, train_eagle3
 
 CFG = Eagle3Config(vocab=96, draft_vocab=48, hidden=64, heads=4, kv_heads=2, intermediate=128,
                    target_layers=4)
@@ -240,3 +240,96 @@ def test_load_reads_transformers_4_rope_keys(tmp_path, target):
     export_draft(draft, tmp_path, "sglang")
     _edit_config(tmp_path, rope_parameters=None, rope_theta=10000.0)
     _round_trip(draft, load_draft(tmp_path, embed_tokens=draft.embed_tokens.weight))
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "speculators"])
+def test_whole_vocabulary_exports_without_a_mapping(tmp_path, target, fmt):
+    """Vd = V is the identity: no d2t / t2d in the file (vLLM registers
+    draft_id_to_target_id only when Vd < V and refuses a tensor it has no parameter for);
+    load_draft reads it back as the identity, and still reads a file that has them."""
+    draft = build_draft(CFG, target, torch.arange(96))
+    assert draft.whole_vocabulary
+    export_draft(draft, tmp_path / "plain", fmt, target=target)
+    w = load_file(tmp_path / "plain" / "model.safetensors")
+    assert "d2t" not in w and "t2d" not in w and w["lm_head.weight"].shape == (96, 64)
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert config["draft_vocab_size"] == 96
+    embed = target.get_input_embeddings().weight
+    back = load_draft(tmp_path / "plain", embed_tokens=embed)
+    _round_trip(draft, back)
+    assert torch.equal(back.draft_ids, torch.arange(96))
+    # a file that carries the identity mapping anyway (older exports) loads the same
+    w["d2t"], w["t2d"] = torch.zeros(96, dtype=torch.long), torch.ones(96, dtype=torch.bool)
+    save_file(w, tmp_path / "plain" / "model.safetensors")
+    _round_trip(draft, load_draft(tmp_path / "plain", embed_tokens=embed))
+    # one of the two without the other is a broken file
+    del w["t2d"]
+    save_file(w, tmp_path / "plain" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"lacks \['t2d'\]"):
+        load_draft(tmp_path / "plain", embed_tokens=embed)
+
+
+def test_a_reduced_vocabulary_without_its_mapping_is_refused(tmp_path, target):
+    export_draft(_draft(target, torch.float32), tmp_path, "speculators", target=target)
+    w = load_file(tmp_path / "model.safetensors")
+    del w["d2t"], w["t2d"]
+    save_file(w, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"lacks \['d2t', 't2d'\]"):
+        load_draft(tmp_path)
+
+
+def test_the_verifier_is_an_absolute_path(tmp_path, target, monkeypatch):
+    """A relative target directory is recorded absolute (the draft is read from anywhere);
+    so is a model loaded from a relative directory."""
+    target.save_pretrained(tmp_path / "tgt")
+    monkeypatch.chdir(tmp_path)
+    draft = _draft(target, torch.float32)
+    for i, given in enumerate(["tgt", "./tgt/"]):
+        export_draft(draft, f"out{i}", "speculators", target=given)
+        verifier = json.loads((tmp_path / f"out{i}" / "config.json").read_text())[
+            "speculators_config"]["verifier"]
+        assert verifier == {"name_or_path": str(tmp_path / "tgt"),
+                            "architectures": ["LlamaForCausalLM"]}
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained("tgt", local_files_only=True)
+    export_draft(draft, "out2", "speculators", target=loaded)
+    verifier = json.loads((tmp_path / "out2" / "config.json").read_text())[
+        "speculators_config"]["verifier"]
+    assert verifier["name_or_path"] == str(tmp_path / "tgt")
+
+
+def test_draft_ids_must_ascend(target):
+    config = draft_config(target.config)
+    for ids, match in (([3, 1, 5], "id 1 at index 1 follows 3"),
+                       ([1, 1, 5], "id 1 at index 1 follows 1"),
+                       ([0, 96], r"lie in \[0, 96\)"), ([], "empty")):
+        with pytest.raises(ValueError, match=match):
+            Eagle3Draft(config, 64, torch.tensor(ids, dtype=torch.long), (0, 1, 2))
+    with pytest.raises(ValueError, match="strictly ascending decoder-layer"):
+        Eagle3Draft(config, 64, DRAFT_IDS, (2, 1, 3))
+
+
+def test_the_training_run_exports_with_its_target_recorded(tmp_path, monkeypatch):
+    """The training run's speculators export names a verifier that exists: the given target
+    directory made absolute, or the tiny random target saved beside the drafts."""
+    monkeypatch.chdir(tmp_path)
+    cfg = Eagle3Config(seqlen=20, batch=1, pad=2, vocab=40, draft_vocab=20, hidden=16,
+                       heads=4, kv_heads=2, intermediate=32, target_layers=4, steps=1)
+    train_eagle3(cfg, progress=False, out_dir="run")
+    verifier = json.loads((tmp_path / "run" / "draft-speculators" / "config.json").read_text())[
+        "speculators_config"]["verifier"]
+    assert verifier == {"name_or_path": str(tmp_path / "run" / "target"),
+                        "architectures": ["LlamaForCausalLM"]}
+    from ringattn.eagle3.target import load_target
+
+    saved = load_target(verifier["name_or_path"], attn_implementation="sdpa")
+    built = build_target(cfg, "sdpa")
+    for (name, a), b in zip(saved.state_dict().items(), built.state_dict().values()):
+        assert torch.equal(a, b), name
+    # a given target directory, relative, recorded absolute
+    train_eagle3(Eagle3Config(**{**cfg.__dict__, "target": "run/target"}), progress=False,
+                 out_dir="again")
+    verifier = json.loads((tmp_path / "again" / "draft-speculators" / "config.json")
+                          .read_text())["speculators_config"]["verifier"]
+    assert verifier["name_or_path"] == str(tmp_path / "run" / "target")

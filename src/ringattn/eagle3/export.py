@@ -18,7 +18,9 @@ against):
   ``layers.0.*``.
 
 Both hold ``fc.weight`` [h, 3 H_t], ``norm.weight`` [h], ``lm_head.weight`` [Vd, h], ``d2t``
-int64 [Vd] (draft id -> target id offset) and ``t2d`` bool [V]. The token embedding
+int64 [Vd] (draft id -> target id offset) and ``t2d`` bool [V]; a whole-vocabulary draft
+(Vd = V, the identity mapping) has neither, as vLLM expects (it registers
+``draft_id_to_target_id`` only when Vd < V) and SGLang and speculators accept. The token embedding
 [V, h] is the target's: SpecForge leaves it out and SGLang substitutes the target's, so the
 SGLang export omits it unless h != H_t (then SGLang keeps the draft's own); speculators
 saves it and vLLM uses it unless it equals the target's, so the speculators export keeps it.
@@ -49,6 +51,8 @@ _LAYER = ("input_layernorm", "hidden_norm", "post_attention_layernorm", "mlp") +
 """Our top-level modules that form the decoder layer (``midlayer`` / ``layers.0``)."""
 _PREFIX = {"sglang": "midlayer.", "speculators": "layers.0."}
 _EMBEDDING = "embed_tokens.weight"
+_MAPPING = ("d2t", "t2d")
+"""The vocabulary mapping, left out for a whole-vocabulary draft (identity)."""
 
 
 def export_draft(draft: Eagle3Draft, path: str | os.PathLike, format: str = "sglang", *,
@@ -61,11 +65,12 @@ def export_draft(draft: Eagle3Draft, path: str | os.PathLike, format: str = "sgl
         path: the output directory (created if missing; existing files are overwritten).
         format: "sglang" (SpecForge / SGLang ``LlamaForCausalLMEagle3``) or "speculators"
             (vLLM's speculators format).
-        target: optional, the target the draft was trained for: a transformers model, its
-            config, or its Hub id / path. "speculators" records it as
-            ``speculators_config.verifier`` (vLLM serves that model when it is given the
-            draft as ``--model``); given a model, the draft's embedding is checked against
-            the target's input embedding, which the servers substitute for it.
+        target: the target the draft was trained for: a transformers model, its config, or
+            its Hub id / path (a local directory is recorded as an absolute path).
+            "speculators" records it as ``speculators_config.verifier`` (vLLM serves that
+            model when it is given the draft as ``--model``; speculators' ``from_pretrained``
+            needs it); given a model, the draft's embedding is checked against the target's
+            input embedding, which the servers substitute for it.
 
     Raises:
         ValueError: an unknown format, a draft without ``aux_layers``, or a draft whose
@@ -79,9 +84,10 @@ def export_draft(draft: Eagle3Draft, path: str | os.PathLike, format: str = "sgl
     with_embedding = _writes_embedding(draft, format)
     if not with_embedding:
         _check_embedding(draft, target)
+    skip = ({_EMBEDDING} if not with_embedding else set()) | (
+        set(_MAPPING) if draft.whole_vocabulary else set())
     tensors = {_file_name(name, format): t.detach().cpu().contiguous()
-               for name, t in draft.state_dict().items()
-               if name != _EMBEDDING or with_embedding}
+               for name, t in draft.state_dict().items() if name not in skip}
     config = _sglang_config(draft) if format == "sglang" else _speculators_config(draft, target)
     from safetensors.torch import save_file
 
@@ -266,11 +272,14 @@ def _speculators_config(draft: Eagle3Draft, target) -> dict:
 
 def _verifier(target) -> dict:
     """speculators' ``VerifierConfig`` of ``target`` (a model, a config, a Hub id or path,
-    or None): its ``name_or_path`` and ``architectures``."""
+    or None): its ``name_or_path`` (a local directory made absolute: the draft directory
+    is read from anywhere) and ``architectures``."""
     if target is None:
         return {"name_or_path": None, "architectures": []}
     if isinstance(target, (str, os.PathLike)):
         name = os.fspath(target)
+        if os.path.isdir(name):
+            name = os.path.abspath(name)
         file = os.path.join(name, "config.json")
         arch = []
         if os.path.isfile(file):
@@ -281,6 +290,8 @@ def _verifier(target) -> dict:
     name = getattr(config, "_name_or_path", None) or getattr(config, "name_or_path", None)
     arch = getattr(config, "architectures", None) or (
         [type(target).__name__] if config is not target else [])
+    if name and os.path.isdir(name):
+        name = os.path.abspath(name)
     return {"name_or_path": name or None, "architectures": list(arch)}
 
 
@@ -433,12 +444,17 @@ def _draft_ids(weights: dict, spec: _Spec) -> torch.Tensor:
     and against ``t2d``.
 
     Raises:
-        ValueError: ``d2t`` or ``t2d`` missing or not integer / bool vectors, ids outside
+        ValueError: ``d2t`` or ``t2d`` missing (both may be, for a whole-vocabulary draft:
+            the identity) or not integer / bool vectors, ids outside
             the target vocabulary or repeated, a length other than the config's
             ``draft_vocab_size``, or a ``t2d`` that is not the indicator of these ids.
     """
     d2t, t2d = weights.get("d2t"), weights.get("t2d")
     vocab = int(spec.layer["vocab_size"])
+    head = weights.get(_file_name("lm_head.weight", spec.format))
+    if d2t is None and t2d is None and spec.draft_vocab_size in (None, vocab) and (
+            head is None or head.shape[0] == vocab):
+        return torch.arange(vocab)  # a whole-vocabulary draft: the identity mapping
     if d2t is None or t2d is None:
         missing = [n for n, t in (("d2t", d2t), ("t2d", t2d)) if t is None]
         raise ValueError(f"model.safetensors lacks {missing} (the draft vocabulary)")
@@ -470,7 +486,8 @@ def _our_state(weights: dict, format: str, draft: Eagle3Draft, path: str) -> dic
     """
     ours = draft.state_dict()
     names = {_file_name(k, format): k for k in ours}
-    missing = sorted(n for n, k in names.items() if n not in weights and k != _EMBEDDING)
+    optional = {_EMBEDDING} | (set(_MAPPING) if draft.whole_vocabulary else set())
+    missing = sorted(n for n, k in names.items() if n not in weights and k not in optional)
     unexpected = sorted(n for n in weights if n not in names)
     wrong = [f"{n} {tuple(t.shape)} (expected {tuple(ours[names[n]].shape)})"
              for n, t in weights.items()
@@ -482,6 +499,8 @@ def _our_state(weights: dict, format: str, draft: Eagle3Draft, path: str) -> dic
         raise ValueError(f"{path!r}: model.safetensors does not match its config.json: "
                          + "; ".join(problems))
     state = {names[n]: t for n, t in weights.items()}
+    for name in _MAPPING:  # absent for a whole-vocabulary draft: the identity, as built
+        state.setdefault(name, ours[name])
     state["d2t"] = state["d2t"].long()
     return state
 

@@ -406,6 +406,16 @@ def train_step(target, draft: Eagle3Draft, opt, batch, cfg: Eagle3Config, *,
     return sums
 
 
+def save_random_target(target, path: str) -> str | None:
+    """Save the tiny random target (``save_pretrained``) into ``path`` so that the
+    speculators export can name it as its verifier; returns ``path``, or None for a
+    sharded (FSDP2) target, whose gathering would be a collective."""
+    if any(type(p).__name__ == "DTensor" for p in target.parameters()):
+        return None
+    target.save_pretrained(path)
+    return path
+
+
 CHECKPOINT = "state.pt"
 """A checkpoint directory's resumable state (``save_checkpoint``)."""
 
@@ -541,8 +551,10 @@ def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
             name = "checkpoint-last" if n == cfg.steps else f"checkpoint-{n}"
             save_checkpoint(os.path.join(out_dir, name), draft, opt, scheduler, n, cfg, history)
             if n == cfg.steps:  # what servers load (SGLang / SpecForge, and vLLM's speculators)
+                verifier = cfg.target or save_random_target(target, os.path.join(out_dir, "target"))
                 for fmt in FORMATS:
-                    export_draft(draft, os.path.join(out_dir, f"draft-{fmt}"), fmt)
+                    export_draft(draft, os.path.join(out_dir, f"draft-{fmt}"), fmt,
+                                 target=verifier)
     bar.close()
     seconds = time.perf_counter() - t_start
     later = rates[1:] or rates or [float("nan")]
