@@ -23,6 +23,7 @@ from .comm import hybrid_mesh
 from .merge import merge
 from .sharding import positions, shard, unshard
 from .spec import AttnSpec
+from .varlen import varlen_attention
 
 __all__ = [
     "AttnSpec",
@@ -47,5 +48,6 @@ __all__ = [
     "shard_batch",
     "ulysses_attention",
     "unshard",
+    "varlen_attention",
 ]
 __version__ = "0.1.0"

@@ -18,7 +18,7 @@ from .allgather import GatherGroup, allgather_attention_apply, local_ring
 from .comm import (HYBRID_DIMS, LocalComm, RingComm, agree, caller_site, is_hybrid_mesh,
                    mesh_groups, resolve_group, site_digest)
 from .kernels import available_kernels, get_kernel
-from .layouts import DEFAULT_LAYOUT, LAYOUTS, Layout, get_layout, grouped, local_positions
+from .layouts import DEFAULT_LAYOUT, LAYOUT_NAMES, Layout, get_layout, grouped, local_positions
 from .masks import (Mask, check_cu_seqlens, document, fingerprint, head_offset, mask_key,
                     registered_mask, sliding_window, value_digest)
 from .plan import Plan, make_plan, view_digest
@@ -31,7 +31,7 @@ __all__ = ["allgather_attention", "hybrid_attention", "ring_attention", "ulysses
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _DEVICES = ("cpu", "cuda")
-_LAYOUT_NAMES = sorted(LAYOUTS)
+_LAYOUT_NAMES = LAYOUT_NAMES
 
 
 class _RingAttention(torch.autograd.Function):

@@ -27,9 +27,11 @@ __all__ = [
     "Zigzag",
     "Striped",
     "DocumentZigzag",
+    "DocumentContiguous",
     "Grouped",
     "grouped",
     "LAYOUTS",
+    "LAYOUT_NAMES",
     "get_layout",
     "local_positions",
     "restore_index",
@@ -165,13 +167,56 @@ def _document_segments(cu: tuple[int, ...], world: int, padded: int):
                 per_rank[r].append(Segment(used[r], size, offset, 1))
                 used[r] += size
             offset += size
-    local = padded // world
-    pad_start = cu[-1]
-    for r in range(world):  # padding slots get unique positions >= S, rank by rank
+    _pad_segments(per_rank, used, padded // world, cu[-1])
+    return tuple(tuple(segs) for segs in per_rank)
+
+
+@dataclass(frozen=True)
+class DocumentContiguous(Layout):
+    """Every packed document cut into W contiguous chunks; rank r holds chunk r of EVERY
+    document, documents in order (ring-flash-attn's varlen split: with every length a
+    multiple of W, rank r's slots are ``doc[r * n / W : (r + 1) * n / W]`` for each document
+    of length n). Tokens left over when a length does not divide W go to ranks in
+    round-robin order carried across documents; each rank's buffer is padded to
+    ceil(S / W) slots at its end. Build it with ``get_layout("doc_contiguous",
+    cu_seqlens=...)``: it needs documents.
+    """
+
+    cu_seqlens: tuple[int, ...] = field(default=(0, 1), kw_only=True)
+    name: str = "doc_contiguous"
+
+    def multiple(self, world: int) -> int:
+        return world
+
+    def segments(self, rank: int, world: int, padded: int) -> tuple[Segment, ...]:
+        return _contiguous_document_segments(self.cu_seqlens, world, padded)[rank]
+
+
+@lru_cache(maxsize=64)
+def _contiguous_document_segments(cu: tuple[int, ...], world: int, padded: int):
+    per_rank: list[list[Segment]] = [[] for _ in range(world)]
+    used = [0] * world
+    turn = 0  # the rank that gets the next left-over token
+    for start, stop in zip(cu[:-1], cu[1:]):
+        base, extra = divmod(stop - start, world)
+        sizes = [base + ((r - turn) % world < extra) for r in range(world)]
+        turn = (turn + extra) % world
+        offset = start
+        for r, size in enumerate(sizes):
+            if size:
+                per_rank[r].append(Segment(used[r], size, offset, 1))
+                used[r] += size
+            offset += size
+    _pad_segments(per_rank, used, padded // world, cu[-1])
+    return tuple(tuple(segs) for segs in per_rank)
+
+
+def _pad_segments(per_rank, used, local: int, pad_start: int) -> None:
+    """Padding slots get unique positions >= S, rank by rank, at the end of each buffer."""
+    for r in range(len(per_rank)):
         if used[r] < local:
             per_rank[r].append(Segment(used[r], local - used[r], pad_start, 1))
             pad_start += local - used[r]
-    return tuple(tuple(segs) for segs in per_rank)
 
 
 @dataclass(frozen=True)
@@ -243,6 +288,14 @@ def _member_slots(layout: Grouped, rank: int, world: int, seqlen: int) -> torch.
 
 
 LAYOUTS: dict[str, Layout] = {lay.name: lay for lay in (Contiguous(), Zigzag(), Striped())}
+"""The layouts of a whole sequence, by name (each also takes documents: zigzag then
+zigzags every document)."""
+
+DOCUMENT_LAYOUTS = ("doc_contiguous",)
+"""Layouts that exist only for packed documents (``cu_seqlens`` required)."""
+
+LAYOUT_NAMES = tuple(sorted(LAYOUTS)) + DOCUMENT_LAYOUTS
+"""Every layout name, in the order the ranks' agreement numbers them."""
 
 DEFAULT_LAYOUT = "zigzag"
 """The one default of ``shard``, ``unshard``, ``positions``, ``ring_attention`` and
@@ -258,8 +311,12 @@ def get_layout(layout: str | Layout, cu_seqlens: tuple[int, ...] | None = None) 
     """
     if isinstance(layout, Layout):
         return layout
+    if layout in DOCUMENT_LAYOUTS:
+        if cu_seqlens is None:
+            raise ValueError(f"layout {layout!r} places packed documents: pass cu_seqlens")
+        return DocumentContiguous(cu_seqlens=tuple(cu_seqlens))
     if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; choose one of {sorted(LAYOUTS)}")
+        raise ValueError(f"unknown layout {layout!r}; choose one of {list(LAYOUT_NAMES)}")
     if cu_seqlens is not None and layout == "zigzag":
         return DocumentZigzag(cu_seqlens=tuple(cu_seqlens))
     return LAYOUTS[layout]

@@ -18,12 +18,12 @@ import torch
 import torch.distributed as dist
 
 from .comm import agree, collective, resolve_group
-from .layouts import DEFAULT_LAYOUT, LAYOUTS, get_layout, local_positions, restore_index
+from .layouts import DEFAULT_LAYOUT, LAYOUT_NAMES, get_layout, local_positions, restore_index
 from .masks import check_cu_seqlens
 
 __all__ = ["shard", "unshard", "positions"]
 
-_LAYOUT_NAMES = sorted(LAYOUTS)
+_LAYOUT_NAMES = LAYOUT_NAMES
 
 
 def _take_local(x, layout, rank, world, seqlen, dim):

@@ -1,0 +1,346 @@
+"""ring-flash-attn's public functions on ringattn's strategies: change one import line.
+
+Legend: B batch, L local seq, H heads, Hkv kv heads, D head dim, T local packed tokens,
+W world size.
+
+    from ring_flash_attn import zigzag_ring_flash_attn_func            # before
+    from ringattn.compat.ring_flash_attn import zigzag_ring_flash_attn_func   # after
+
+Every function keeps ring-flash-attn's signature, return values and local splits:
+
+* ``ring_*`` (one contiguous slice per rank), ``zigzag_*`` (the sequence cut into 2W
+  chunks, rank r holding chunks r and 2W-1-r) and ``stripe_*`` (token t on rank t mod W)
+  take [B, L, H, D] (``*_kvpacked`` kv [B, L, 2, Hkv, D], ``*_qkvpacked`` qkv
+  [B, L, 3, H, D]) and return out, or (out, lse [B, H, L], None) with
+  ``return_attn_probs``.
+* ``ring_flash_attn_varlen_*`` (every document cut in W contiguous chunks) and
+  ``zigzag_ring_flash_attn_varlen_*`` (every document cut in 2W chunks, zigzagged) take
+  [T, H, D] with the LOCAL ``cu_seqlens`` (the global ones divided by W, as ring-flash-attn
+  writes them) and return out, or (out, lse [H, T], None).
+* ``llama3_flash_attn_varlen_*`` (one contiguous slice of the packed tokens per rank; K/V
+  all-gathered ``heads_k_stride`` kv heads at a time) with the values of
+  ``llama3_flash_attn_prepare_cu_seqlens``.
+* ``substitute_hf_flash_attn`` / ``update_ring_flash_attn_params``: the transformers hook,
+  registered as the attention implementation "ring_flash_attn" (transformers'
+  ``AttentionInterface``; nothing of transformers is patched).
+
+What differs (docs/compat.md): the answer is exact (float32 within 1e-5 of float64) on CPU
+and CUDA; window_size and alibi_slopes are applied in global positions (ring-flash-attn
+applies them inside each block); inputs the peer would compute wrong are refused with the
+same error on every rank; ``dropout_p`` must be 0; the batch functions take an extra
+keyword ``seqlen`` for sequences whose length does not divide (shards from
+``ringattn.shard``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..api import allgather_attention, ring_attention
+from ..comm import all_gather_single, resolve_group
+from ..varlen import varlen_attention
+
+__all__ = [
+    "llama3_flash_attn_prepare_cu_seqlens",
+    "llama3_flash_attn_varlen_func",
+    "llama3_flash_attn_varlen_kvpacked_func",
+    "llama3_flash_attn_varlen_qkvpacked_func",
+    "ring_flash_attn_func",
+    "ring_flash_attn_kvpacked_func",
+    "ring_flash_attn_qkvpacked_func",
+    "ring_flash_attn_varlen_func",
+    "ring_flash_attn_varlen_kvpacked_func",
+    "ring_flash_attn_varlen_qkvpacked_func",
+    "stripe_flash_attn_func",
+    "stripe_flash_attn_kvpacked_func",
+    "stripe_flash_attn_qkvpacked_func",
+    "substitute_hf_flash_attn",
+    "update_ring_flash_attn_params",
+    "zigzag_ring_flash_attn_func",
+    "zigzag_ring_flash_attn_kvpacked_func",
+    "zigzag_ring_flash_attn_qkvpacked_func",
+    "zigzag_ring_flash_attn_varlen_func",
+    "zigzag_ring_flash_attn_varlen_kvpacked_func",
+    "zigzag_ring_flash_attn_varlen_qkvpacked_func",
+]
+
+
+def _check_dropout(dropout_p) -> None:
+    if dropout_p != 0:
+        raise ValueError(f"dropout_p must be 0 (ringattn computes exact attention without "
+                         f"dropout), got {dropout_p!r}")
+
+
+def _unpack(packed, n: int, name: str, dim: int):
+    """The ``n`` tensors packed along ``dim`` (qkv: 3, kv: 2), as views."""
+    if not isinstance(packed, torch.Tensor) or packed.dim() <= dim or packed.shape[dim] != n:
+        shape = tuple(packed.shape) if isinstance(packed, torch.Tensor) else type(packed).__name__
+        raise ValueError(f"{name} must have {n} on dim {dim} (ring-flash-attn's packed layout), "
+                         f"got {shape}")
+    return packed.unbind(dim)
+
+
+def _batch(layout: str):
+    """The three batch functions of one layout (``*_func``, ``*_kvpacked_func``,
+    ``*_qkvpacked_func``)."""
+
+    def func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+             alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None, *,
+             seqlen=None):
+        _check_dropout(dropout_p)
+        result = ring_attention(q, k, v, group=group, causal=causal, window_size=window_size,
+                                softmax_scale=softmax_scale, layout=layout, seqlen=seqlen,
+                                alibi_slopes=alibi_slopes, return_lse=bool(return_attn_probs))
+        return (*result, None) if return_attn_probs else result
+
+    def kvpacked(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                 alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None,
+                 *, seqlen=None):
+        k, v = _unpack(kv, 2, "kv", 2)
+        return func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+                     deterministic, return_attn_probs, group, seqlen=seqlen)
+
+    def qkvpacked(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                  alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None,
+                  *, seqlen=None):
+        q, k, v = _unpack(qkv, 3, "qkv", 2)
+        return func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+                    deterministic, return_attn_probs, group, seqlen=seqlen)
+
+    return func, kvpacked, qkvpacked
+
+
+def _varlen(layout: str):
+    """The three varlen functions of one document layout (local ``cu_seqlens``)."""
+
+    def func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+             window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+             return_attn_probs=False, group=None):
+        _check_dropout(dropout_p)
+        world = dist.get_world_size(resolve_group(group))
+        local = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+        cu = [int(x) * world for x in local]
+        longest = max((b - a for a, b in zip(local[:-1], local[1:])), default=0)
+        if isinstance(max_seqlen, torch.Tensor) and max_seqlen.numel() == 1:
+            max_seqlen = int(max_seqlen.item())
+        if not isinstance(max_seqlen, int) or max_seqlen < longest:
+            raise ValueError(f"max_seqlen must be an int >= the longest local document "
+                             f"({longest} tokens), got {max_seqlen!r}")
+        return varlen_attention(q, k, v, cu, cu, longest * world, longest * world,
+                                softmax_scale=softmax_scale, causal=causal,
+                                window_size=window_size, alibi_slopes=alibi_slopes,
+                                return_attn_probs=return_attn_probs, group=group, layout=layout)
+
+    def kvpacked(q, kv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                 window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+                 return_attn_probs=False, group=None):
+        k, v = _unpack(kv, 2, "kv", 1)
+        return func(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
+                    window_size, alibi_slopes, deterministic, return_attn_probs, group)
+
+    def qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                  window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+                  return_attn_probs=False, group=None):
+        q, k, v = _unpack(qkv, 3, "qkv", 1)
+        return func(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
+                    window_size, alibi_slopes, deterministic, return_attn_probs, group)
+
+    return func, kvpacked, qkvpacked
+
+
+ring_flash_attn_func, ring_flash_attn_kvpacked_func, ring_flash_attn_qkvpacked_func = \
+    _batch("contiguous")
+(zigzag_ring_flash_attn_func, zigzag_ring_flash_attn_kvpacked_func,
+ zigzag_ring_flash_attn_qkvpacked_func) = _batch("zigzag")
+stripe_flash_attn_func, stripe_flash_attn_kvpacked_func, stripe_flash_attn_qkvpacked_func = \
+    _batch("striped")
+(ring_flash_attn_varlen_func, ring_flash_attn_varlen_kvpacked_func,
+ ring_flash_attn_varlen_qkvpacked_func) = _varlen("doc_contiguous")
+(zigzag_ring_flash_attn_varlen_func, zigzag_ring_flash_attn_varlen_kvpacked_func,
+ zigzag_ring_flash_attn_varlen_qkvpacked_func) = _varlen("zigzag")
+
+
+# -- Llama 3's varlen all-gather -------------------------------------------------------------
+
+_GLOBAL_CU = "_ringattn_global_cu_seqlens"
+"""Attribute ``llama3_flash_attn_prepare_cu_seqlens`` sets on its cu_seqlens_q: the global
+offsets it was computed from (otherwise they are gathered from every rank's slice)."""
+
+
+def llama3_flash_attn_prepare_cu_seqlens(cu_seqlens: torch.Tensor, causal: bool, rank: int,
+                                         world_size: int):
+    """This rank's share of the global ``cu_seqlens`` for Llama 3's split (rank r holds
+    packed tokens [r * S / W, (r + 1) * S / W)), with ring-flash-attn's return values.
+
+    Returns:
+        (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, local_k_slice): the
+        documents of this rank's queries (offsets inside its slice), those of the keys they
+        need (offsets inside ``local_k_slice``), their longest lengths, and the slice of the
+        global keys that this rank's queries attend to.
+
+    Raises:
+        ValueError: S not divisible by ``world_size`` (ring-flash-attn's requirement; use
+            ``ringattn.varlen_attention`` with ``layout="contiguous"`` for any S).
+    """
+    cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor)
+                           else cu_seqlens)]
+    total = cu[-1]
+    if total % world_size:
+        raise ValueError(f"the packed length {total} does not divide the {world_size} ranks "
+                         f"(ring-flash-attn's llama3 split); ringattn.varlen_attention with "
+                         f"layout='contiguous' takes any length")
+    per = total // world_size
+    lo, hi = rank * per, (rank + 1) * per
+    starts = [c for c in cu[:-1] if c < hi]
+    first = max(c for c in starts if c <= lo)  # the document holding this slice's first token
+    inside = [c for c in cu if lo < c < hi]
+    bounds_q = [0] + [c - lo for c in inside] + [per]
+    k_right = hi if causal else min(c for c in cu if c >= hi)
+    bounds_k = [0] + [c - first for c in inside] + [k_right - first]
+    like = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else torch.tensor(cu)
+    cu_q = torch.tensor(bounds_q, dtype=like.dtype, device=like.device)
+    cu_k = torch.tensor(bounds_k, dtype=like.dtype, device=like.device)
+    setattr(cu_q, _GLOBAL_CU, tuple(cu))
+    max_q = max(b - a for a, b in zip(bounds_q[:-1], bounds_q[1:]))
+    max_k = max(b - a for a, b in zip(bounds_k[:-1], bounds_k[1:]))
+    return cu_q, cu_k, max_q, max_k, slice(first, k_right)
+
+
+def _llama3_global_offsets(cu_seqlens_q, local_k_slice, local_len: int, group) -> list[int]:
+    """The global offsets behind this rank's ``cu_seqlens_q``: remembered by
+    ``llama3_flash_attn_prepare_cu_seqlens``, else gathered from every rank's slice (its
+    inner boundaries; its first token starts a document when ``local_k_slice`` starts
+    there; the last rank's end is the sequence's)."""
+    known = getattr(cu_seqlens_q, _GLOBAL_CU, None)
+    if known is not None:
+        return list(known)
+    pg = resolve_group(group)
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    lo = rank * local_len
+    inner = (cu_seqlens_q.tolist() if isinstance(cu_seqlens_q, torch.Tensor)
+             else list(cu_seqlens_q))[1:-1]
+    mine = ([lo] if local_k_slice.start == lo else []) + [int(x) + lo for x in inner] \
+        + ([lo + local_len] if rank == world - 1 else [])
+    counts = torch.empty(world, dtype=torch.int64)
+    all_gather_single(counts, torch.tensor([len(mine)]), pg, what="llama3 cu_seqlens counts")
+    width = int(counts.max())
+    got = torch.empty(world * width, dtype=torch.int64)
+    padded = torch.tensor(mine + [-1] * (width - len(mine)), dtype=torch.int64)
+    all_gather_single(got, padded, pg, what="llama3 cu_seqlens")
+    return sorted({int(x) for x in got.tolist() if x >= 0})
+
+
+def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, heads_k_stride, local_k_slice, dropout_p=0.0,
+                                  softmax_scale=None, causal=False, window_size=(-1, -1),
+                                  alibi_slopes=None, deterministic=False,
+                                  return_attn_probs=False, group=None):
+    """Llama 3's context parallelism for packed documents (all-gather K/V,
+    ``heads_k_stride`` kv heads at a time): q, k, v [T, heads, D] are this rank's
+    contiguous slice of the packed tokens; the rest as
+    ``llama3_flash_attn_prepare_cu_seqlens`` returns them. Returns out [T, H, Dv], or
+    (out, lse [H, T], None) with ``return_attn_probs``."""
+    _check_dropout(dropout_p)
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"q must be [T, H, D], got {getattr(q, 'shape', type(q).__name__)}")
+    if not isinstance(local_k_slice, slice):
+        raise TypeError(f"local_k_slice must be the slice llama3_flash_attn_prepare_cu_seqlens "
+                        f"returns, got {type(local_k_slice).__name__}")
+    cu = _llama3_global_offsets(cu_seqlens_q, local_k_slice, q.shape[0], group)
+    longest = max(b - a for a, b in zip(cu[:-1], cu[1:]))
+    return varlen_attention(q, k, v, cu, cu, longest, longest, softmax_scale=softmax_scale,
+                            causal=causal, window_size=window_size, alibi_slopes=alibi_slopes,
+                            return_attn_probs=return_attn_probs, group=group,
+                            layout="contiguous", strategy="allgather",
+                            heads_k_stride=heads_k_stride)
+
+
+def llama3_flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                           max_seqlen_k, heads_k_stride, local_k_slice,
+                                           dropout_p=0.0, softmax_scale=None, causal=False,
+                                           window_size=(-1, -1), alibi_slopes=None,
+                                           deterministic=False, return_attn_probs=False,
+                                           group=None):
+    k, v = _unpack(kv, 2, "kv", 1)
+    return llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                         max_seqlen_k, heads_k_stride, local_k_slice,
+                                         dropout_p, softmax_scale, causal, window_size,
+                                         alibi_slopes, deterministic, return_attn_probs, group)
+
+
+def llama3_flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                            max_seqlen_k, heads_k_stride, local_k_slice,
+                                            dropout_p=0.0, softmax_scale=None, causal=False,
+                                            window_size=(-1, -1), alibi_slopes=None,
+                                            deterministic=False, return_attn_probs=False,
+                                            group=None):
+    q, k, v = _unpack(qkv, 3, "qkv", 1)
+    return llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                         max_seqlen_k, heads_k_stride, local_k_slice,
+                                         dropout_p, softmax_scale, causal, window_size,
+                                         alibi_slopes, deterministic, return_attn_probs, group)
+
+
+# -- the transformers hook -------------------------------------------------------------------
+
+HF_NAME = "ring_flash_attn"
+"""The attention implementation ``substitute_hf_flash_attn`` registers: load the model
+with ``attn_implementation="ring_flash_attn"`` (transformers' own "flash_attention_2" is
+left alone)."""
+
+
+class _HFState:
+    """What ring-flash-attn's transformers hook keeps between calls: the group and stride
+    of ``substitute_hf_flash_attn`` and the global offsets of the current batch
+    (``update_ring_flash_attn_params``), as the peer's API requires."""
+
+    group = None
+    heads_k_stride = 1
+    cu_seqlens: tuple[int, ...] | None = None
+
+
+def update_ring_flash_attn_params(cu_seqlens: torch.Tensor, process_group) -> None:
+    """Set the current batch's GLOBAL document offsets (flash-attn's cu_seqlens of the
+    whole packed sequence) for the "ring_flash_attn" attention of transformers models.
+    Every rank then feeds its contiguous slice ``torch.chunk(x, W, dim=1)[rank]`` of
+    input_ids and position_ids."""
+    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    _HFState.cu_seqlens = tuple(int(x) for x in cu)
+    _HFState.group = process_group
+
+
+def substitute_hf_flash_attn(process_group, heads_k_stride: int) -> str:
+    """Register Llama 3's varlen context parallelism as transformers' attention
+    implementation "ring_flash_attn" over ``process_group``, gathering ``heads_k_stride``
+    kv heads at a time; returns the name to load models with (ring-flash-attn overrides
+    "flash_attention_2" instead, which ringattn does not patch)."""
+    from transformers import AttentionInterface
+
+    _HFState.group, _HFState.heads_k_stride = process_group, heads_k_stride
+    AttentionInterface.register(HF_NAME, _hf_attention)
+    return HF_NAME
+
+
+def _hf_attention(module, query, key, value, attention_mask=None, dropout=0.0, scaling=None,
+                  sliding_window=None, softcap=None, **kwargs):
+    """transformers' attention call: query [1, H, T, D], key/value [1, Hkv, T, D] ->
+    ([1, T, H, D], None), causal over the packed documents of the current batch."""
+    if dropout:
+        _check_dropout(dropout)
+    if query.shape[0] != 1:
+        raise ValueError(f"ring_flash_attn takes packed documents as a batch of one, got a "
+                         f"batch of {query.shape[0]} (pack them and pass cu_seqlens to "
+                         f"update_ring_flash_attn_params)")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    if _HFState.cu_seqlens is None:
+        raise ValueError("call update_ring_flash_attn_params(cu_seqlens, group) with the "
+                         "batch's global cu_seqlens before the model's forward")
+    cu = _HFState.cu_seqlens
+    window = (-1, -1) if not sliding_window else (int(sliding_window) - 1, 0)
+    longest = max(b - a for a, b in zip(cu[:-1], cu[1:]))
+    out = varlen_attention(q, k, v, cu, cu, longest, longest, softmax_scale=scaling,
+                           causal=getattr(module, "is_causal", True), window_size=window,
+                           softcap=softcap or 0.0, group=_HFState.group, layout="contiguous",
+                           strategy="allgather", heads_k_stride=_HFState.heads_k_stride)
+    return out.unsqueeze(0), None
