@@ -189,14 +189,25 @@ def run_cases(layout, world_cases, dtype_name, strategy="ring_attention", option
         q, k, v, do, dlse = _data(case, dtype)
         attn_kw, ok = _setup(case, dist.get_world_size())
         refs = reference(q, k, v, do, ok, dlse=dlse)  # float64 on the (rounded) inputs
+        kw = dict(layout=layout, seqlen=case.seqlen, cu_seqlens=attn_kw.pop("cu_seqlens", None))
+        pos = ra.positions(case.seqlen, layout=layout)
+        if kw["cu_seqlens"] is not None:
+            pos = ra.positions(case.seqlen, layout=layout, cu_seqlens=kw["cu_seqlens"])[0]
+        real = pos < case.seqlen
+        idx = pos[real]
+        plain = _plain_fused(q, k, v, do, ok, dlse)
         base = [rel_err(x, r, floor=1.0 if i == 1 else 0.0)
-                for i, (x, r) in enumerate(zip(_plain_fused(q, k, v, do, ok, dlse), refs))]
+                for i, (x, r) in enumerate(zip(plain, refs))]
+        # out and lse are compared on this rank's rows: the plain op's error on those same
+        # rows bounds them too (a rank with a few rows is a small, noisy sample)
+        for i, (x, r) in enumerate(((plain[0][:, idx], refs[0][:, idx]),
+                                    (plain[1][:, :, idx], refs[1][:, :, idx]))):
+            base[i] = max(base[i], rel_err(x, r, floor=1.0 if i == 1 else 0.0))
         if dtype == torch.float32:
             tols = fp32_tolerances(base)
         else:
             tols = [2 * e + (1e-6 if i == 1 else 0.0) for i, e in enumerate(base)]
         qx, kx, vx = (t.clone().requires_grad_() for t in (q, k, v))
-        kw = dict(layout=layout, seqlen=case.seqlen, cu_seqlens=attn_kw.pop("cu_seqlens", None))
         ql, kl, vl = (ra.shard(t, **kw) for t in (qx, kx, vx))
         if strategy == "ring_attention":  # rotate the backward's communication schedules
             attn_kw["backward_overlap"] = ("all", "kv", "none")[case.seed % 3]
@@ -210,12 +221,7 @@ def run_cases(layout, world_cases, dtype_name, strategy="ring_attention", option
             loss = loss + (torch.where(torch.isfinite(lse_g), lse_g, 0.0) * dlse).sum()
         loss.backward()
         # this rank's own rows of out and lse; padding rows must be exactly 0 / -inf
-        pos = ra.positions(case.seqlen, layout=layout)
-        if kw["cu_seqlens"] is not None:
-            pos = ra.positions(case.seqlen, layout=layout, cu_seqlens=kw["cu_seqlens"])[0]
-        real = pos < case.seqlen
         assert torch.all(out_l[:, ~real] == 0) and torch.all(torch.isneginf(lse_l[:, :, ~real]))
-        idx = pos[real]
         got = [out_l[:, real], lse_l[:, :, real], qx.grad, kx.grad, vx.grad]
         want = [refs[0][:, idx], refs[1][:, :, idx], refs[2], refs[3], refs[4]]
         results[case.name] = {  # lse: errors in nats, relative to at least 1 (rel_err's floor)
