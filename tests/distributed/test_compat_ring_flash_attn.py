@@ -320,3 +320,44 @@ def test_varlen_attention(clusters):
         assert "cu_seqlens_q" in refusals[2] and "differ" in refusals[2]
         assert "sharded by ringattn.shard with layout='zigzag'" in refusals[3], refusals[3]
     assert per_rank[0][1] == per_rank[1][1] == per_rank[2][1]
+
+
+def hf_hook_case(family):
+    """Rank side: ring-flash-attn's README flow with the import changed: substitute the hook,
+    pack three documents, update the params with the global cu_seqlens, feed each rank its
+    torch.chunk of input_ids and position_ids; logits and the all-reduced gradients against
+    the same model run on each document alone in one process (sdpa)."""
+    from models import tiny_causal_lm
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(ranks=list(range(world)))
+    name = rfa.substitute_hf_flash_attn(group, heads_k_stride=1)
+    lengths = [7, 11, 6 * world - 6]
+    g = torch.Generator().manual_seed(11)
+    docs = [torch.randint(0, 97, (n,), generator=g) for n in lengths]
+    input_ids = torch.cat(docs).unsqueeze(0)
+    position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    cu = torch.cat([torch.tensor([0]), torch.cumsum(torch.tensor(lengths), 0)]).to(torch.int32)
+    rfa.update_ring_flash_attn_params(cu, group)
+    model = tiny_causal_lm(family, name)
+    local_ids = torch.chunk(input_ids, world, dim=1)[rank]
+    local_pos = torch.chunk(position_ids, world, dim=1)[rank]
+    logits = model(input_ids=local_ids, position_ids=local_pos).logits
+    weights = torch.randn(input_ids.shape[1], 97, generator=g)
+    (logits[0] * torch.chunk(weights, world, dim=0)[rank]).sum().backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    dist.all_reduce(grads)
+    ref_model = tiny_causal_lm(family, "sdpa")
+    ref = torch.cat([ref_model(input_ids=d[None]).logits[0] for d in docs])
+    (ref * weights).sum().backward()
+    ref_grads = torch.cat([p.grad.flatten() for p in ref_model.parameters()])
+    return {"logits": rel_err(logits[0], torch.chunk(ref, world, dim=0)[rank]),
+            "grads": rel_err(grads, ref_grads)}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("family", ["llama", "qwen2-sliding"])
+def test_hf_hook_as_ring_flash_attn_readme(clusters, family):
+    pytest.importorskip("transformers")
+    for rank, errs in enumerate(clusters(2).run(hf_hook_case, family, timeout=200)):
+        assert max(errs.values()) <= TOL, (rank, family, errs)

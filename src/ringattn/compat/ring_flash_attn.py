@@ -21,7 +21,7 @@ Every function keeps ring-flash-attn's signature, return values and local splits
   all-gathered ``heads_k_stride`` kv heads at a time) with the values of
   ``llama3_flash_attn_prepare_cu_seqlens``.
 * ``substitute_hf_flash_attn`` / ``update_ring_flash_attn_params``: the transformers hook,
-  registered as the attention implementation "ring_flash_attn" (transformers'
+  registered as the attention implementation "ringattn_varlen" (transformers'
   ``AttentionInterface``; nothing of transformers is patched).
 
 What differs (docs/compat.md): the answer is exact (float32 within 1e-5 of float64) on CPU
@@ -284,10 +284,11 @@ def llama3_flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens_q, cu_seqlens_k, max
 
 # -- the transformers hook -------------------------------------------------------------------
 
-HF_NAME = "ring_flash_attn"
+HF_NAME = "ringattn_varlen"
 """The attention implementation ``substitute_hf_flash_attn`` registers: load the model
-with ``attn_implementation="ring_flash_attn"`` (transformers' own "flash_attention_2" is
-left alone)."""
+with ``attn_implementation="ringattn_varlen"`` (transformers' own "flash_attention_2" is
+left alone; a name containing "flash" would make transformers look for a flash-attn
+kernel)."""
 
 
 class _HFState:
@@ -302,7 +303,7 @@ class _HFState:
 
 def update_ring_flash_attn_params(cu_seqlens: torch.Tensor, process_group) -> None:
     """Set the current batch's GLOBAL document offsets (flash-attn's cu_seqlens of the
-    whole packed sequence) for the "ring_flash_attn" attention of transformers models.
+    whole packed sequence) for the "ringattn_varlen" attention of transformers models.
     Every rank then feeds its contiguous slice ``torch.chunk(x, W, dim=1)[rank]`` of
     input_ids and position_ids."""
     cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
@@ -312,7 +313,7 @@ def update_ring_flash_attn_params(cu_seqlens: torch.Tensor, process_group) -> No
 
 def substitute_hf_flash_attn(process_group, heads_k_stride: int) -> str:
     """Register Llama 3's varlen context parallelism as transformers' attention
-    implementation "ring_flash_attn" over ``process_group``, gathering ``heads_k_stride``
+    implementation "ringattn_varlen" over ``process_group``, gathering ``heads_k_stride``
     kv heads at a time; returns the name to load models with (ring-flash-attn overrides
     "flash_attention_2" instead, which ringattn does not patch)."""
     from transformers import AttentionInterface
@@ -329,7 +330,7 @@ def _hf_attention(module, query, key, value, attention_mask=None, dropout=0.0, s
     if dropout:
         _check_dropout(dropout)
     if query.shape[0] != 1:
-        raise ValueError(f"ring_flash_attn takes packed documents as a batch of one, got a "
+        raise ValueError(f"ringattn_varlen takes packed documents as a batch of one, got a "
                          f"batch of {query.shape[0]} (pack them and pass cu_seqlens to "
                          f"update_ring_flash_attn_params)")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
