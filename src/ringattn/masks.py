@@ -427,10 +427,20 @@ class _HeadOffset(Mask):
         return f"{self.inner!r} from head {self.offset}"
 
 
+def _head_free(mask: Mask) -> bool:
+    """Whether ``mask`` is built only of parts that never read the head (bands, documents,
+    prefixes, key padding, key masks, chunks)."""
+    if isinstance(mask, _Combined):
+        return all(_head_free(p) for p in mask.parts)
+    return mask.band is not None or isinstance(
+        mask, (_Document, _PrefixLM, _KeyPadding, _KeyMask, _Chunked))
+
+
 def head_offset(mask: Mask, offset: int) -> Mask:
     """``mask`` seen by a rank holding heads ``offset``, ``offset + 1``, ...: its local head
-    h is global head h + offset (Ulysses). Band masks do not depend on heads."""
-    return mask if offset == 0 or mask.band is not None else _HeadOffset(mask, offset)
+    h is global head h + offset (Ulysses). Masks that never read the head come back as
+    they are (one plan serves every head group)."""
+    return mask if offset == 0 or _head_free(mask) else _HeadOffset(mask, offset)
 
 
 class _KeyMask(Mask):

