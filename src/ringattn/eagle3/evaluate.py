@@ -41,7 +41,8 @@ import torch
 from .attention import dense_ttt_attention
 from .draft import Eagle3Draft, aux_layer_ids, capture_aux_hidden, eagle3_step, run_target
 
-__all__ = ["speculative_generate", "mean_accepted_length", "draft_chain", "held_out_accuracy"]
+__all__ = ["speculative_generate", "mean_accepted_length", "acceptance", "draft_chain",
+           "held_out_accuracy"]
 
 
 def _aux_layers(target, draft: Eagle3Draft) -> tuple[int, ...]:
@@ -187,6 +188,14 @@ def speculative_generate(target, draft: Eagle3Draft, input_ids, *, max_new_token
         ValueError: a bad prompt, ``max_new_tokens`` or ``draft_len``, or a draft for another
             vocabulary.
     """
+    new, per_round, _ = _generate(target, draft, input_ids, max_new_tokens, draft_len)
+    return new, per_round
+
+
+@torch.no_grad()
+def _generate(target, draft: Eagle3Draft, input_ids, max_new_tokens: int,
+              draft_len: int) -> tuple[list[int], list[int], list[int]]:
+    """``speculative_generate``, also returning how many tokens each round proposed."""
     _check_lengths(max_new_tokens, draft_len)
     ids = _check_prompt(input_ids, target)
     if draft.t2d.numel() != target.config.vocab_size:
@@ -194,7 +203,7 @@ def speculative_generate(target, draft: Eagle3Draft, input_ids, *, max_new_token
                          f"target has {target.config.vocab_size}")
     layers, eos = _aux_layers(target, draft), _eos_ids(target)
     greedy, aux = _target_forward(target, ids, layers)  # the prefill
-    new, per_round = [int(greedy[-1])], []
+    new, per_round, proposed = [int(greedy[-1])], [], []
     while len(new) < max_new_tokens and new[-1] not in eos:
         seq = torch.cat([ids, torch.tensor([new], device=ids.device)], dim=1)  # verified
         proposals = _propose(draft, seq, aux, min(draft_len, max_new_tokens - len(new)))
@@ -205,11 +214,46 @@ def speculative_generate(target, draft: Eagle3Draft, input_ids, *, max_new_token
         while accepted < len(proposals) and proposals[accepted] == greedy[accepted]:
             accepted += 1
         per_round.append(accepted + 1)
+        proposed.append(len(proposals))
         for t in proposals[:accepted] + [greedy[accepted]]:
             if len(new) == max_new_tokens or new[-1] in eos:
                 break
             new.append(t)
-    return new, per_round
+    return new, per_round, proposed
+
+
+def acceptance(target, draft: Eagle3Draft, prompts, *, max_new_tokens: int,
+               draft_len: int = 3) -> dict:
+    """Speculative decoding's acceptance over ``prompts``: what a server reports.
+
+    Arguments:
+        prompts: an iterable of [S] or [1, S] prompts.
+        max_new_tokens, draft_len: as for ``speculative_generate``.
+
+    Returns:
+        ``{"mean_accepted_per_round": tokens per round (accepted + 1), "per_position":
+        [draft_len] the share of rounds proposing position p whose position p was accepted,
+        "rounds": rounds}``.
+
+    Raises:
+        ValueError: no round ran, or as ``speculative_generate``.
+    """
+    rounds: list[int] = []
+    accepted = [0] * draft_len
+    offered = [0] * draft_len
+    for prompt in prompts:
+        _, per_round, proposed = _generate(target, draft, prompt, max_new_tokens, draft_len)
+        rounds += per_round
+        for n, k in zip(per_round, proposed):
+            for p in range(k):
+                offered[p] += 1
+                accepted[p] += int(n - 1 > p)
+    if not rounds:
+        raise ValueError(f"no verification round ran (prompts empty, or max_new_tokens="
+                         f"{max_new_tokens} ended generation at the prefill's token)")
+    return {"mean_accepted_per_round": sum(rounds) / len(rounds),
+            "per_position": [a / o if o else float("nan") for a, o in zip(accepted, offered)],
+            "rounds": len(rounds)}
 
 
 def mean_accepted_length(target, draft: Eagle3Draft, prompts, *, max_new_tokens: int,

@@ -15,6 +15,7 @@ process with the dense TTT mask: the baseline the CP run must match.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -38,6 +39,8 @@ __all__ = ["Eagle3Config", "build_target", "build_draft", "make_batches", "train
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+STRATEGIES = ("ring", "ulysses")
+"""CP strategies of the training run (the hybrid needs a 2-D mesh: the library call)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,9 @@ class Eagle3Config:
     """Save a checkpoint (resumable state and the exported draft) every this many optimizer
     steps, and at the end (0: only at the end; needs ``out_dir``)."""
     layout: str = "zigzag"
+    strategy: str = "ring"
+    """How the target's attention and the draft's TTT attention run under CP: "ring" or
+    "ulysses" (heads over the ranks; the heads must divide by the CP size)."""
     dp: int = 1
     """Data-parallel replicas; the world is dp x cp."""
     seed: int = 0
@@ -122,6 +128,10 @@ class Eagle3Config:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {self.layout!r}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.strategy != "ring" and self.offline is not None:
+            raise ValueError("offline training runs the draft's attention on the ring only")
         if not 0 <= self.pad < self.seqlen:
             raise ValueError(f"pad must lie in [0, seqlen={self.seqlen}), got {self.pad}")
         if self.draft_vocab > self.vocab and self.target is None:
@@ -328,7 +338,8 @@ def _draft_ids(cfg: Eagle3Config, target, group, samples=None):
 
         return frequency_vocabulary(samples, target.config.vocab_size, cfg.draft_vocab)
     first = next(make_batches(Eagle3Config(**{**asdict(cfg), "steps": 1}), replica=0))
-    tgt = run_target(target, first, group=group, layout=cfg.layout)
+    tgt = run_target(target, first, group=group, layout=cfg.layout,
+                     strategy=cfg.strategy if group is not None else "ring")
     top = tgt.logits.argmax(-1)[tgt.valid_mask]  # real tokens (not the shards' padding)
     vocab = target.config.vocab_size
     counts = torch.bincount(top, minlength=vocab)
@@ -378,7 +389,8 @@ def train_step(target, draft: Eagle3Draft, opt, batch, cfg: Eagle3Config, *,
         if "aux_hidden" in one:  # offline: the target's outputs were stored (OfflineSamples)
             tgt = shard_target_outputs(one, group=cp_group, layout=cfg.layout)
         else:
-            tgt = run_target(target, one, group=cp_group, layout=cfg.layout)
+            tgt = run_target(target, one, group=cp_group, layout=cfg.layout,
+                             strategy=cfg.strategy if cp_group is not None else "ring")
         dev = tgt.aux_hidden.device.type
         with torch.autocast(dev, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
             res = eagle3_step(draft, tgt, steps=cfg.ttt_steps, decay=cfg.decay)
@@ -447,7 +459,9 @@ def load_checkpoint(path: str, draft: Eagle3Draft, opt, scheduler, cfg: Eagle3Co
         raise ValueError(f"no Eagle3 checkpoint at {path!r} (expected {CHECKPOINT} there)")
     state = torch.load(file, map_location="cpu", weights_only=False)
     ours, theirs = asdict(cfg), state["config"]
-    differ = sorted(k for k in ours if k not in ("steps", "save_every") and ours[k] != theirs.get(k))
+    # a field added since the checkpoint was written counts as its default
+    differ = sorted(k for k in ours if k not in ("steps", "save_every")
+                    and ours[k] != theirs.get(k, getattr(Eagle3Config, k)))
     if differ:
         raise ValueError(f"checkpoint {path!r} was written with another configuration: "
                          + ", ".join(f"{k}={theirs.get(k)!r} (now {ours[k]!r})" for k in differ))
@@ -589,9 +603,65 @@ def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
 
 
 def spawn_eagle3(cfg: Eagle3Config, *, world: int, progress: bool = True,
-                 out_dir: str | None = None) -> dict:
-    """``train_eagle3`` on ``world`` local gloo ranks (dp x cp = world); rank 0's result."""
-    return spawn(cfg, world=world, progress=progress, out_dir=out_dir, fn=train_eagle3)
+                 out_dir: str | None = None, resume: str | None = None) -> dict:
+    """``train_eagle3`` on ``world`` local gloo ranks (dp x cp = world); rank 0's result.
+    ``resume``: a checkpoint directory to continue from (``train_eagle3``)."""
+    fn = train_eagle3 if resume is None else functools.partial(train_eagle3, resume=resume)
+    return spawn(cfg, world=world, progress=progress, out_dir=out_dir, fn=fn)
+
+
+EVAL_NEW_TOKENS = 32
+"""Tokens generated per prompt by the closing evaluation."""
+EVAL_DRAFT_LEN = 3
+"""Proposals per round in the closing evaluation (the speculators export's
+``speculative_tokens``)."""
+
+
+def report_run(cfg: Eagle3Config, out_dir: str, *, prompts: int = 8) -> dict | None:
+    """After a run: speculative decoding of the target with the EXPORTED draft (read back by
+    ``load_draft``, as a server reads it) on ``prompts`` held-out prompts, printed as mean
+    accepted tokens per round and acceptance per draft position, then where the checkpoint
+    and both exports are. Held out: synthetic rows from a seed training never draws; with
+    ``data``, the first 16 tokens of the conversations (the training rows themselves).
+
+    Returns:
+        ``evaluate.acceptance``'s dict (None with ``prompts`` 0).
+    """
+    from .evaluate import acceptance
+    from .export import load_draft
+
+    result = None
+    speculators = os.path.join(out_dir, "draft-speculators")
+    if prompts > 0:
+        with open(os.path.join(speculators, "config.json")) as f:
+            verifier = json.load(f)["speculators_config"]["verifier"]["name_or_path"]
+    if prompts > 0 and verifier is None:
+        print("no held-out evaluation: the export names no target (an FSDP2-sharded random "
+              "target is not saved)", flush=True)
+    elif prompts > 0:
+        target = load_target(verifier, attn_implementation="sdpa")
+        draft = load_draft(speculators).eval()
+        result = acceptance(target, draft, _eval_prompts(cfg, prompts),
+                            max_new_tokens=EVAL_NEW_TOKENS, draft_len=EVAL_DRAFT_LEN)
+        print(f"held-out speculative decoding ({prompts} prompts, {EVAL_NEW_TOKENS} new tokens, "
+              f"{EVAL_DRAFT_LEN} proposals per round, {result['rounds']} rounds): "
+              f"{result['mean_accepted_per_round']:.3f} tokens per round; acceptance per draft "
+              f"position " + " ".join(f"{a:.3f}" for a in result["per_position"]), flush=True)
+    print(f"checkpoint: {os.path.abspath(os.path.join(out_dir, 'checkpoint-last'))}\n"
+          f"SGLang / SpecForge draft: {os.path.abspath(os.path.join(out_dir, 'draft-sglang'))}\n"
+          f"vLLM (speculators) draft: {os.path.abspath(speculators)}", flush=True)
+    return result
+
+
+def _eval_prompts(cfg: Eagle3Config, n: int) -> list[torch.Tensor]:
+    """``n`` prompts of 16 tokens (fewer for shorter rows): held-out synthetic rows, or the
+    data's first rows."""
+    length = min(16, cfg.seqlen)
+    if cfg.data is not None or cfg.offline is not None:
+        rows = chat_rows(cfg)[1] if cfg.data is not None else offline_rows(cfg)[1]
+        return [ids[:length] for ids, _ in rows[:n]]
+    gen = torch.Generator().manual_seed(cfg.seed * 1000 + 99991)  # training draws seed*1000+17
+    return list(torch.randint(cfg.vocab, (n, length), generator=gen))
 
 
 def main(argv=None) -> int:
@@ -600,29 +670,61 @@ def main(argv=None) -> int:
     d = Eagle3Config
     parser.add_argument("--world", type=int, default=2,
                         help="ranks to spawn (ignored under torchrun; default 2)")
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas; cp = world / dp")
+    parser.add_argument("--dp", type=int, default=1,
+                        help="data-parallel replicas; cp = world / dp (default 1)")
     parser.add_argument("--target", default=None,
                         help="a local transformers model directory (default: a tiny random Llama)")
-    parser.add_argument("--data", default=None, help="JSON lines of conversations (needs --target)")
-    parser.add_argument("--pack", action="store_true", help="pack conversations (needs --batch 1)")
+    parser.add_argument("--data", default=None,
+                        help="JSON lines of conversations (needs --target; default: synthetic "
+                        "random tokens)")
+    parser.add_argument("--pack", action="store_true",
+                        help="pack conversations (needs --data and --batch 1; default off)")
     parser.add_argument("--shard-target", action="store_true",
-                        help="shard the target's weights over all ranks with FSDP2")
+                        help="shard the target's weights over all ranks with FSDP2 (default off)")
     parser.add_argument("--offline", default=None,
-                        help="train on target outputs stored by python -m ringattn.eagle3.target")
-    parser.add_argument("--steps", type=int, default=d.steps)
-    parser.add_argument("--seqlen", type=int, default=d.seqlen)
-    parser.add_argument("--batch", type=int, default=d.batch, help="rows per replica per batch")
-    parser.add_argument("--accumulate", type=int, default=d.accumulate)
-    parser.add_argument("--draft-vocab", type=int, default=d.draft_vocab)
-    parser.add_argument("--lr", type=float, default=d.lr)
-    parser.add_argument("--warmup", type=int, default=d.warmup)
-    parser.add_argument("--grad-clip", type=float, default=d.grad_clip)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype)
-    parser.add_argument("--save-every", type=int, default=d.save_every)
-    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="zigzag")
-    parser.add_argument("--resume", default=None, help="a checkpoint directory to continue from")
+                        help="train on target outputs stored by python -m ringattn.eagle3.target "
+                        "(needs --target: the draft's config and embedding; default: run the "
+                        "target online)")
+    parser.add_argument("--steps", type=int, default=d.steps,
+                        help=f"optimizer steps (default {d.steps})")
+    parser.add_argument("--seqlen", type=int, default=d.seqlen,
+                        help=f"global sequence length S of a row (default {d.seqlen})")
+    parser.add_argument("--pad", type=int, default=None,
+                        help=f"right padding of each batch's last row, synthetic data only "
+                        f"(default {d.pad}, or seqlen // 4 when that is less)")
+    parser.add_argument("--batch", type=int, default=d.batch,
+                        help=f"rows per replica per batch (default {d.batch})")
+    parser.add_argument("--accumulate", type=int, default=d.accumulate,
+                        help=f"batches per optimizer step (default {d.accumulate})")
+    parser.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
+                        help=f"draft vocabulary size; the target's whole vocabulary exports "
+                        f"without d2t/t2d (default {d.draft_vocab})")
+    parser.add_argument("--lr", type=float, default=d.lr,
+                        help=f"peak AdamW learning rate (default {d.lr})")
+    parser.add_argument("--warmup", type=int, default=d.warmup,
+                        help=f"steps of linear warm-up, then cosine decay (default {d.warmup})")
+    parser.add_argument("--grad-clip", type=float, default=d.grad_clip,
+                        help=f"global gradient-norm clip, 0: none (default {d.grad_clip})")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype,
+                        help=f"compute dtype; bfloat16 keeps fp32 master weights (default "
+                        f"{d.dtype})")
+    parser.add_argument("--save-every", type=int, default=d.save_every,
+                        help=f"checkpoint every this many steps, 0: only at the end (default "
+                        f"{d.save_every})")
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="zigzag",
+                        help="how the sequence is split over the CP ranks (default zigzag)")
+    parser.add_argument("--strategy", choices=STRATEGIES, default=d.strategy,
+                        help=f"CP attention: ring, or ulysses (heads over the ranks) (default "
+                        f"{d.strategy})")
+    parser.add_argument("--eval-prompts", type=int, default=8,
+                        help="held-out prompts of the closing speculative-decoding evaluation, "
+                        "0: none (default 8)")
+    parser.add_argument("--resume", default=None,
+                        help="a checkpoint directory to continue from, with --world or under "
+                        "torchrun (default: start afresh)")
     parser.add_argument("--output", "--out", dest="out", default="eagle3_out",
-                        help="directory for curves, checkpoints and the exported drafts")
+                        help="directory for curves, checkpoints and the exported drafts "
+                        "(default eagle3_out)")
     args = parser.parse_args(argv)
     try:
         cfg = Eagle3Config(steps=args.steps, seqlen=args.seqlen, layout=args.layout, dp=args.dp,
@@ -630,7 +732,8 @@ def main(argv=None) -> int:
                            offline=args.offline, shard_target=args.shard_target,
                            accumulate=args.accumulate, draft_vocab=args.draft_vocab, lr=args.lr,
                            warmup=args.warmup, grad_clip=args.grad_clip, dtype=args.dtype,
-                           save_every=args.save_every)
+                           save_every=args.save_every, strategy=args.strategy,
+                           pad=min(d.pad, args.seqlen // 4) if args.pad is None else args.pad)
         torchrun = "LOCAL_RANK" in os.environ
         cfg.check_world(int(os.environ.get("WORLD_SIZE", 1)) if torchrun else args.world)
     except ValueError as exc:
@@ -642,10 +745,11 @@ def main(argv=None) -> int:
             leave_together()
         finally:
             dist.destroy_process_group()
+        if int(os.environ.get("RANK", 0)) != 0:
+            return 0
     else:
-        if args.resume is not None:
-            parser.error("--resume runs under torchrun (or from train_eagle3(resume=...))")
-        spawn_eagle3(cfg, world=args.world, out_dir=args.out)
+        spawn_eagle3(cfg, world=args.world, out_dir=args.out, resume=args.resume)
+    report_run(cfg, args.out, prompts=args.eval_prompts)
     return 0
 
 
