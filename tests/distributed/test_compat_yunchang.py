@@ -33,12 +33,14 @@ def _errors(split, got, ref):
     return {name: rel_err(x, split(r)) for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref)}
 
 
-def _run(module, split, seqlen, kv_heads, causal, window=(-1, -1), seed=0):
-    """yunchang's documented call: split, forward with its keywords, backward."""
+def _run(module, split, seqlen, kv_heads, causal, window=(-1, -1), seed=0, extra=None):
+    """yunchang's documented call: split, forward with its keywords, backward (``extra``:
+    ringattn's own keywords)."""
     q, k, v, dout = _inputs(seqlen, kv_heads, seed=seed)
     local = [split(t).detach().clone().requires_grad_() for t in (q, k, v)]
     out = module(*local, dropout_p=0.0, causal=causal, window_size=window, softcap=0.0,
-                 alibi_slopes=None, deterministic=False, return_attn_probs=True)
+                 alibi_slopes=None, deterministic=False, return_attn_probs=True,
+                 **(extra or {}))
     out.backward(split(dout))
     ref_out, _, dq, dk, dv = reference(q, k, v, dout, visible(seqlen, causal, window))
     return _errors(split, [out] + [t.grad for t in local], [ref_out, dq, dk, dv])
@@ -124,12 +126,13 @@ def run_ulysses(cases):
     rank, world = dist.get_rank(), dist.get_world_size()
     attn = yc.UlyssesAttention(None, attn_type=yc.AttnType.FA)
     results = {}
-    for seqlen, kv_heads, causal in cases:
+    for seqlen, kv_heads, causal, given in cases:
         def split(t):
             return t.chunk(world, dim=1)[rank]
 
-        results[f"S={seqlen} Hkv={kv_heads} causal={causal}"] = (
-            True, _run(attn, split, seqlen, kv_heads, causal))
+        extra = {"seqlen": seqlen} if given else None
+        results[f"S={seqlen} Hkv={kv_heads} causal={causal} seqlen given={given}"] = (
+            True, _run(attn, split, seqlen, kv_heads, causal, extra=extra))
     return results
 
 
@@ -137,8 +140,9 @@ def run_ulysses(cases):
 @pytest.mark.parametrize("world", [2, 3])
 def test_ulysses_exact(clusters, world):
     """W=2 and 3 (H=4 heads on 3 ranks, one kv head: yunchang needs both to divide W);
-    S divisible and not (the last rank short)."""
-    cases = [(6 * world, 4, True), (6 * world + 1, 2, True), (5 * world - 1, 1, False)]
+    S divisible and not (the last rank short), found by the ranks or given (``seqlen=``)."""
+    cases = [(6 * world, 4, True, False), (6 * world + 1, 2, True, False),
+             (5 * world - 1, 1, False, False), (6 * world + 1, 2, True, True)]
     _check(clusters(world).run(run_ulysses, cases, timeout=100))
 
 

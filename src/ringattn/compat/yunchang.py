@@ -128,7 +128,8 @@ def set_seq_parallel_pg(sp_ulysses_degree: int, sp_ring_degree: int, rank: int,
     """
     from torch.distributed.device_mesh import DeviceMesh
 
-    u, r = _degree("sp_ulysses_degree", sp_ulysses_degree), _degree("sp_ring_degree", sp_ring_degree)
+    u = _degree("sp_ulysses_degree", sp_ulysses_degree)
+    r = _degree("sp_ring_degree", sp_ring_degree)
     if world_size != dist.get_world_size() or rank != dist.get_rank():
         raise ValueError(f"rank={rank}, world_size={world_size} are not this process's "
                          f"(rank {dist.get_rank()} of {dist.get_world_size()})")
@@ -393,7 +394,8 @@ def _agreed_length(q, k, v, pg, layout: Layout, local_error: str | None) -> int:
     row = torch.tensor([n, int(local_error is not None)], dtype=torch.int64)
     table = row.new_empty(world, 2)
     if world > 1:
-        all_gather_single(table.view(-1), row, control_group(pg), what="the local lengths' all-gather")
+        all_gather_single(table.view(-1), row, control_group(pg),
+                          what="the local lengths' all-gather")
     else:
         table[0] = row
     failed = table[:, 1].nonzero().flatten().tolist()
@@ -445,9 +447,14 @@ class _Attention(torch.nn.Module):
     """The forward of both modules: yunchang's arguments -> one ringattn call."""
 
     def _attend(self, fn, group, lengths_pg, layout, query, key, value, dropout_p,
-                softmax_scale, causal, window_size, softcap, alibi_slopes):
+                softmax_scale, causal, window_size, softcap, alibi_slopes, seqlen):
         error = _local_error(query, key, value, dropout_p)
-        s = _agreed_length(query, key, value, lengths_pg, layout, error)
+        if seqlen is None:
+            s = _agreed_length(query, key, value, lengths_pg, layout, error)
+        elif error is not None:  # the attention's agreement reports it on every rank
+            raise ValueError(error)
+        else:
+            s = seqlen
         return _padded_call(fn, query, key, value, s, layout, dist.get_world_size(lengths_pg),
                             group=group, causal=causal, window_size=tuple(window_size),
                             softmax_scale=softmax_scale, softcap=softcap,
@@ -480,7 +487,7 @@ class UlyssesAttention(_Attention):
 
     def forward(self, query, key, value, dropout_p=0.0, softmax_scale=None, causal=False,
                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                return_attn_probs=False, *args):
+                return_attn_probs=False, *args, seqlen=None):
         """Attention over the whole sequence for this rank's queries.
 
         Arguments:
@@ -488,6 +495,11 @@ class UlyssesAttention(_Attention):
             dropout_p: 0 only. softmax_scale, causal, window_size, softcap, alibi_slopes
                 ([H]): flash-attn's, in global positions. deterministic,
                 return_attn_probs: accepted (the output alone is returned, as yunchang).
+            seqlen: ringattn's addition, the global S. None: S is the sum of the ranks'
+                local lengths, found by one small all-gather of them (a round trip each
+                call); given (the same on every rank), nothing is exchanged before the
+                attention's own agreement (then a dropout_p that only some ranks pass is
+                refused on those ranks alone).
 
         Returns:
             out [B, L, H, D] in query's dtype.
@@ -499,7 +511,7 @@ class UlyssesAttention(_Attention):
         pg = self.spg if self.spg is not None else dist.group.WORLD
         return self._attend(ulysses_attention, pg, pg, Contiguous(), query, key, value,
                             dropout_p, softmax_scale, causal, window_size, softcap,
-                            alibi_slopes)
+                            alibi_slopes, seqlen)
 
 
 class LongContextAttention(_Attention):
@@ -541,7 +553,8 @@ class LongContextAttention(_Attention):
         self.ring_pg, self.ulysses_pg = PROCESS_GROUP.RING_PG, PROCESS_GROUP.ULYSSES_PG
         self.mesh = PROCESS_GROUP.MESH
         self.scatter_idx, self.gather_idx = scatter_idx, gather_idx
-        self.ring_impl_type, self.use_pack_qkv, self.use_sync = ring_impl_type, use_pack_qkv, use_sync
+        self.ring_impl_type = ring_impl_type
+        self.use_pack_qkv, self.use_sync = use_pack_qkv, use_sync
         self.attn_type = _attn_type(attn_type)
         self.layout = _placement(ring_impl_type, PROCESS_GROUP.RING_DEGREE,
                                  PROCESS_GROUP.ULYSSES_DEGREE, PROCESS_GROUP.USE_ULYSSES_LOW)
@@ -549,7 +562,7 @@ class LongContextAttention(_Attention):
 
     def forward(self, query, key, value, dropout_p=0.0, softmax_scale=None, causal=False,
                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                return_attn_probs=False, *args):
+                return_attn_probs=False, *args, seqlen=None):
         """Attention over the whole sequence for this rank's queries.
 
         Arguments:
@@ -559,6 +572,11 @@ class LongContextAttention(_Attention):
             dropout_p: 0 only. softmax_scale, causal, window_size, softcap, alibi_slopes
                 ([H]): flash-attn's, in global positions. deterministic,
                 return_attn_probs: accepted (the output alone is returned, as yunchang).
+            seqlen: ringattn's addition, the global S. None: S is the sum of the ranks'
+                local lengths, found by one small all-gather of them (a round trip each
+                call); given (the same on every rank), nothing is exchanged before the
+                attention's own agreement (then a dropout_p that only some ranks pass is
+                refused on those ranks alone).
 
         Returns:
             out [B, L, H, D] in query's dtype.
@@ -569,4 +587,4 @@ class LongContextAttention(_Attention):
         """
         return self._attend(hybrid_attention, self.mesh, self._flat, self.layout, query, key,
                             value, dropout_p, softmax_scale, causal, window_size, softcap,
-                            alibi_slopes)
+                            alibi_slopes, seqlen)
