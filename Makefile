@@ -8,21 +8,25 @@ TORCH_PIN ?= torch==2.13.0
 .PHONY: install demo demo-lm test test-properties test-serving bench clean
 
 $(VENV)/.installed: pyproject.toml
+	@echo "make: creating $(VENV) (once)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# Pin torch first: an unpinned torch would pull a multi-GB CUDA build.
+	@echo "make: installing $(TORCH_PIN) (CPU build) into $(VENV)"
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_PIN)"
+	@echo "make: installing ringattn with its extras [test,demo] (transformers, pytest, ...): about a minute"
 	$(PIP) install -q -e ".[test,demo]"
+	@echo "make: $(VENV) is ready"
 	touch $@
 
 install: $(VENV)/.installed
 
 # Eagle3 draft training under context parallelism beside one process (demo_out/eagle3.png)
 demo: install
-	$(PY) -m ringattn.cli demo
+	$(PY) -m ringattn.apps.cli demo
 
 # the plain causal-LM demo (demo_out/losses.png)
 demo-lm: install
-	$(PY) -m ringattn.cli demo --target lm
+	$(PY) -m ringattn.apps.cli demo --target lm
 
 test: install
 	$(PY) -m pytest -q tests
@@ -55,7 +59,7 @@ $(SERVING_VENV)/.installed:
 test-serving: install $(SERVING_VENV)/.installed
 	RINGATTN_SERVING_PYTHON=$(abspath $(SERVING_PY)) $(PY) -m pytest -q -s tests/serving
 
-# Benchmarks (about 70 minutes on 2 cores): JSON + PNG under benchmarks/results/.
+# Benchmarks (JSON + PNG under benchmarks/results/; the longest target, most of an hour).
 # bench_gpu.py needs a CUDA GPU and is run by hand (benchmarks/README.md).
 bench: install
 	$(PY) benchmarks/torch_ring.py
@@ -66,13 +70,12 @@ bench: install
 	$(PY) benchmarks/bench_eagle3.py
 	$(PY) benchmarks/bench_strategies.py
 	$(PY) benchmarks/bench_features.py
-	$(PY) benchmarks/bench_yunchang.py
 	$(PY) benchmarks/bench_soak.py
 	$(PY) benchmarks/bench_host.py
 	$(PY) benchmarks/bench_compile.py
 	$(PY) benchmarks/strategy_table.py
-	-$(PIP) install -q --no-deps yunchang
 	$(PY) benchmarks/bench_yunchang.py
+	$(PY) benchmarks/bench_compat.py
 	$(PY) benchmarks/report.py
 
 clean:

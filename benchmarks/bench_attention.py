@@ -54,7 +54,7 @@ from common import (DTYPES, RESULTS, Cluster, TensorBytes, global_inputs, machin
 LAYOUTS = ("contiguous", "zigzag", "striped")
 CHECK_TOL = 1e-5
 """Max abs difference allowed between torch's ring and ringattn (fp32). Each is within
-~5e-7 (forward) and ~5e-6 (backward) of float64 on this kernel (shared/FACTS.md); the two
+~5e-7 (forward) and ~5e-6 (backward) of float64 on this kernel (docs/platform.md); the two
 measured ~5e-7 apart at S=1024. A larger gap means they are not computing the same thing."""
 
 

@@ -8,7 +8,7 @@ heads, D head dim, T TTT steps.
 One fixed model (``MODEL``: a 4-layer random-weight Llama target, hidden 256, 8 heads, 2 kv
 heads, vocab 2048; the one-layer draft with a 512-token vocabulary, 7 TTT steps), fp32,
 B=1, the row right-padded by 37 tokens (``--pad``; ``Eagle3Config``'s default), layout
-zigzag. A training step is what ``ringattn.eagle3.train.train_eagle3`` does at dp=1: the
+zigzag. A training step is what ``ringattn.apps.eagle3_train.train_eagle3`` does at dp=1: the
 target's forward under CP (``run_target``), the draft's TTT forward (``eagle3_step``), its
 backward, one all-reduce of the draft's gradients, AdamW. W=1 is the same code on a
 one-rank group. Every measurement
@@ -30,7 +30,7 @@ warm-up step at S=256 (plans, lazily imported code, AdamW's state).
    closes the bracket); each probe is a memory run in fresh processes. S need not divide
    anything (ringattn pads the shards).
 3. *Tokens/s at the fixed S*: separate runs with default malloc and cores // W threads per
-   rank (``ringattn.train.spawn``'s rule; at W=4, 4 one-thread ranks on 2 cores); after the
+   rank (``ringattn.apps.train.spawn``'s rule; at W=4, 4 one-thread ranks on 2 cores); after the
    measured step, ``--timed-steps`` steps, each the slowest rank's time (barrier before,
    all-reduce MAX after); tokens/s = B * S / median. Every W shares the same 2 cores, so
    tokens/s at W=2, 4 over W=1 measures what CP costs (sharding, the ring, Lookahead, more
@@ -75,7 +75,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
 from common import RESULTS, Cluster, _proc_status_kib, machine_info, timed, write_json
-from ringattn.eagle3.train import Eagle3Config
+from ringattn.apps.eagle3_train import Eagle3Config
 
 MODEL = dict(hidden=256, heads=8, kv_heads=2, intermediate=512, vocab=2048, draft_vocab=512,
              target_layers=4, ttt_steps=7, batch=1, layout="zigzag")
@@ -96,8 +96,8 @@ def _threads(w: int) -> int:
 
 
 def _train_step(target, draft, opt, batch, cfg: Eagle3Config, group) -> None:
-    """One step of ``train_eagle3``'s loop at dp=1 (``ringattn.eagle3.train.train_step``)."""
-    from ringattn.eagle3.train import train_step
+    """One step of ``train_eagle3``'s loop at dp=1 (``ringattn.apps.eagle3_train.train_step``)."""
+    from ringattn.apps.eagle3_train import train_step
 
     sums = train_step(target, draft, opt, batch, cfg, cp_group=group)
     if not math.isfinite(float(sums[0, 0])):
@@ -107,9 +107,9 @@ def _train_step(target, draft, opt, batch, cfg: Eagle3Config, group) -> None:
 def step_task(model: dict, s: int, pad: int, timed_steps: int, threads: int) -> dict:
     """On every rank: warm up, then one measured step at S (RSS before, ru_maxrss after),
     then ``timed_steps`` timed steps. Returns this rank's numbers (times: max over ranks)."""
-    from ringattn.eagle3.train import build_draft, build_target, make_batches
+    from ringattn.apps.eagle3_train import build_draft, build_target, make_batches
     from ringattn.integrations import transformers as ra_hf
-    from ringattn.train import peak_rss_mib
+    from ringattn.apps.train import peak_rss_mib
 
     torch.set_num_threads(threads)
     group = dist.group.WORLD

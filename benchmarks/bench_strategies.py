@@ -31,7 +31,7 @@ STRATEGIES = ("ring", "ulysses", "allgather")
 def _step(strategy, s, causal, hkv):
     """Rank side: a closure running one fwd+bwd of ``strategy`` on this rank's shards."""
     import ringattn as ra
-    from ringattn.api import STRATEGIES as FUNCS
+    from ringattn.strategies.auto import STRATEGIES as FUNCS
 
     q, k, v, do = global_inputs(s, 8, hkv, 64, torch.float32)
     shards = [ra.shard(t, seqlen=s).detach() for t in (q, k, v, do)]

@@ -138,7 +138,7 @@ def chosen_task(s, causal, hkv):
     import torch.distributed as dist
 
     import ringattn as ra
-    from ringattn.auto import call_shape, choose, measure
+    from ringattn.strategies.auto import call_shape, choose, measure
 
     w = dist.get_world_size()
     group = _MESHES.setdefault(w, ra.hybrid_mesh(ulysses=2)) if w >= 4 else None

@@ -18,7 +18,7 @@ from __future__ import annotations
 from common import RESULTS, write_json
 
 from ringattn import CostModel, Link
-from ringattn.auto import CallShape, choose, estimate
+from ringattn.strategies.auto import CallShape, choose, estimate
 from ringattn.layouts import Zigzag, get_layout
 
 H100_8x8 = CostModel(flops=400e12, inner=Link(350e9, 10e-6), outer=Link(45e9, 25e-6))

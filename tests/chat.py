@@ -14,6 +14,6 @@ PLAIN = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' }} {{ m['content'] }
 
 def chat_tokenizer(template=WITH_BLOCKS):
     """A fast tokenizer over ``WORDS`` (ids 5..) and the demo's special tokens (1..4)."""
-    from ringattn.eagle3.demo import demo_tokenizer
+    from ringattn.apps.eagle3_demo import demo_tokenizer
 
     return demo_tokenizer(WORDS, template)

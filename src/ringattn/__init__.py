@@ -15,9 +15,13 @@ Example (every rank runs this; ``pg`` is a process group of W ranks)::
     out = ra.unshard(out_l, group=pg, layout="zigzag", seqlen=S)  # [1, S, 8, 64]
 """
 
-from . import auto, eagle3, kernels, layouts, masks, plan
-from .api import allgather_attention, hybrid_attention, ring_attention, ulysses_attention
-from .auto import CostModel, Link, attention
+from . import eagle3, kernels, layouts, masks, plan
+from .strategies import auto
+from .strategies.allgather import allgather_attention
+from .strategies.auto import CostModel, Link, attention
+from .strategies.hybrid import hybrid_attention
+from .strategies.ring import ring_attention
+from .strategies.ulysses import ulysses_attention
 from .batch import RingContext, all_reduce_metrics, shard_batch
 from .comm import hybrid_mesh
 from .merge import merge

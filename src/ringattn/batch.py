@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .api import check_strategy
+from .validate import check_strategy
 from .comm import is_hybrid_mesh, metadata_device, resolve_group
 from .layouts import DEFAULT_LAYOUT
 from .masks import Mask, check_cu_seqlens, key_mask, key_padding, mask_key

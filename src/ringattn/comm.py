@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 __all__ = ["HYBRID_DIMS", "PeerError", "RingComm", "LocalComm", "Hop", "agree",
            "all_gather_single", "all_to_all_single", "collective", "clear_failure", "get_timeout", "set_timeout",
-           "control_group", "group_by_name", "hybrid_mesh", "is_hybrid_mesh", "mesh_groups", "metadata_device",
+           "control_group", "group_by_name", "group_from_key", "group_key", "group_members", "hybrid_mesh", "is_hybrid_mesh", "mesh_groups", "metadata_device",
            "reduce_scatter_single", "resolve_group", "set_caller_check"]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns);
@@ -116,7 +116,10 @@ def resolve_group(group) -> dist.ProcessGroup:
     DeviceMesh (all of its ranks, row-major) or None (the default group)."""
     if group is None:
         if not dist.is_initialized():
-            raise ValueError("torch.distributed is not initialized and no group was given")
+            raise ValueError(
+                "torch.distributed is not initialized and no group was given: call "
+                "torch.distributed.init_process_group('gloo') (CPU) or ('nccl') (CUDA) on "
+                "every rank first (under torchrun it reads its environment), or pass group=")
         return dist.group.WORLD
     if isinstance(group, dist.ProcessGroup):
         return group
@@ -161,6 +164,11 @@ def mesh_groups(mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup, dist.Proces
             mesh["ulysses"].get_group())
 
 
+def group_members(pg) -> tuple[int, ...]:
+    """The global ranks of ``pg`` in group-rank order: which shard each rank holds."""
+    return tuple(dist.get_global_rank(pg, r) for r in range(dist.get_world_size(pg)))
+
+
 def hybrid_mesh(group=None, ulysses: int = 8):
     """The hybrid's DeviceMesh over the ranks of ``group`` (None: the world): consecutive
     runs of ``ulysses`` ranks (one node's, under torchrun with that many processes per
@@ -191,6 +199,27 @@ def group_by_name(name: str) -> dist.ProcessGroup:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(name)
+
+
+_GROUPS: dict[str, object] = {}
+"""Groups and meshes handed to compiled calls, by the key ``group_key`` gave them (held, so
+a key is never reused for another object)."""
+
+
+@torch.compiler.assume_constant_result
+def group_key(group) -> str:
+    """A plain key for ``group`` (a ProcessGroup, a DeviceMesh or None), for custom ops; a
+    compiled graph holds it as a constant."""
+    if group is None:
+        return "default"
+    key = f"{type(group).__name__}:{id(group)}"
+    _GROUPS[key] = group
+    return key
+
+
+def group_from_key(key: str):
+    """The group ``group_key`` gave ``key`` (None for the default group)."""
+    return None if key == "default" else _GROUPS[key]
 
 
 DEFAULT_TIMEOUT_S = 300.0

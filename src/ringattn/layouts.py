@@ -32,6 +32,7 @@ __all__ = [
     "grouped",
     "LAYOUTS",
     "LAYOUT_NAMES",
+    "SHARD_TAG",
     "get_layout",
     "local_positions",
     "restore_index",
@@ -296,6 +297,14 @@ DOCUMENT_LAYOUTS = ("doc_contiguous",)
 
 LAYOUT_NAMES = tuple(sorted(LAYOUTS)) + DOCUMENT_LAYOUTS
 """Every layout name, in the order the ranks' agreement numbers them."""
+
+SHARD_TAG = "_ringattn_shard"
+"""Attribute ``ringattn.shard`` sets on its result: (layout name, S, cu_seqlens digest or -2, the
+sequence dim, the tensor's ndim, the group's global ranks in group order), which
+``ring_attention`` compares with its own arguments, so a shard attended with another layout
+(or S, or documents, or over another group, or sharded along another dim) is refused instead
+of computed wrong."""
+
 
 DEFAULT_LAYOUT = "zigzag"
 """The one default of ``shard``, ``unshard``, ``positions``, ``ring_attention`` and

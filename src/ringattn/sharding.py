@@ -17,8 +17,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .comm import agree, collective, resolve_group
-from .layouts import DEFAULT_LAYOUT, LAYOUT_NAMES, get_layout, local_positions, restore_index
+from .comm import agree, collective, group_members, resolve_group
+from .layouts import DEFAULT_LAYOUT, SHARD_TAG, LAYOUT_NAMES, get_layout, local_positions, restore_index
 from .masks import check_cu_seqlens
 
 __all__ = ["shard", "unshard", "positions"]
@@ -118,19 +118,6 @@ def _check(x, dim, layout, seqlen, group, what, local, cu_seqlens):
         error = exc
     agree(pg, fields, error)
     return pg, lay, seqlen, dim, fields["cu_seqlens"]
-
-
-SHARD_TAG = "_ringattn_shard"
-"""Attribute ``shard`` sets on its result: (layout name, S, cu_seqlens digest or -2, the
-sequence dim, the tensor's ndim, the group's global ranks in group order), which
-``ring_attention`` compares with its own arguments, so a shard attended with another layout
-(or S, or documents, or over another group, or sharded along another dim) is refused instead
-of computed wrong."""
-
-
-def group_members(pg) -> tuple[int, ...]:
-    """The global ranks of ``pg`` in group-rank order: which shard each rank holds."""
-    return tuple(dist.get_global_rank(pg, r) for r in range(dist.get_world_size(pg)))
 
 
 def shard(x: torch.Tensor, *, group=None, layout: str = DEFAULT_LAYOUT, dim: int = 1,

@@ -29,7 +29,7 @@ from .kernels import get_kernel
 from .layouts import get_layout, local_positions
 from .masks import check_cu_seqlens
 from .plan import make_plan
-from .ring import Ring, ring_backward, ring_forward
+from .strategies.ring import Ring, ring_backward, ring_forward
 from .spec import AttnSpec
 
 __all__ = ["Simulated", "local_positions_of", "simulate"]
@@ -168,7 +168,7 @@ def simulate(q, k, v, dout=None, *, world: int, causal: bool = False,
         ``Simulated``: per rank its out, lse and (with ``dout``) dq, dk, dv shards, and its
         kernel seconds and calls per direction.
     """
-    from .api import _effective_mask  # the mask every rank of a real call plans with
+    from .validate import effective_mask  # the mask every rank of a real call plans with
 
     if q.dim() != 4 or k.shape != v.shape[:3] + k.shape[3:] or k.shape[:2] != q.shape[:2]:
         raise ValueError(f"q, k, v must be [B, S, H(kv), D] with the same B and S, got "
@@ -181,7 +181,7 @@ def simulate(q, k, v, dout=None, *, world: int, causal: bool = False,
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     spec = AttnSpec(causal=causal, window_size=tuple(window_size), softmax_scale=scale,
                     seqlen=seqlen, layout=lay.name)
-    full = _effective_mask(spec, mask, cu)
+    full = effective_mask(spec, mask, cu)
     inner = get_kernel(kernel, q.device, q.dtype, general=full.band is None)
     ranks = [_RankResult(r) for r in range(world)]
     by_thread: dict = {}

@@ -85,3 +85,8 @@ class AttnSpec:
         if self.causal:
             return 0 if right is None else min(right, 0)
         return right
+
+
+BACKWARD_OVERLAP = ("all", "kv", "none")
+"""How much communication the ring's backward overlaps with compute, from fastest to
+leanest (``ring_attention(backward_overlap=...)``)."""

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from .api import STRATEGY_CHOICES
-from .auto import attention
-from .layouts import DEFAULT_LAYOUT
+from .strategies.auto import attention
+from .validate import STRATEGY_CHOICES
+from .layouts import DEFAULT_LAYOUT, SHARD_TAG
 from .masks import check_cu_seqlens
-from .sharding import SHARD_TAG
 
 __all__ = ["varlen_attention"]
 

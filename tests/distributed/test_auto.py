@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import ringattn as ra
-from ringattn.auto import CallShape, choose, estimate, measure, work
+from ringattn.strategies.auto import CallShape, choose, estimate, measure, work
 from ringattn.layouts import Zigzag, get_layout, local_positions
 from test_exact import cases, check, run_cases
 from test_hybrid import mesh

@@ -90,7 +90,7 @@ def function_cases(layout, strategy="ring_attention"):
     (4, "zigzag", "hybrid_attention")])
 def test_function_compiles_without_graph_breaks(clusters, world, layout, strategy):
     """Every strategy: the ring, Ulysses and the hybrid as forward/backward op pairs,
-    all-gather as one op whose backward runs its forward again (ringattn.ops)."""
+    all-gather as one op whose backward runs its forward again (ringattn.strategies.allgather)."""
     for rank, res in enumerate(clusters(world).run(function_cases, layout, strategy, timeout=220)):
         for name, (breaks, diff) in res.items():
             assert breaks == 0, (rank, name, breaks)

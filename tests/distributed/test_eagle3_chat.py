@@ -10,7 +10,7 @@ import torch
 
 from chat import WORDS, chat_tokenizer
 from ringattn.eagle3 import load_draft
-from ringattn.eagle3.train import Eagle3Config, build_target, train_eagle3
+from ringattn.apps.eagle3_train import Eagle3Config, build_target, train_eagle3
 from test_eagle3_training import FP32_TOL, small_config
 
 

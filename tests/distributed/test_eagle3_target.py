@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from ringattn.eagle3.draft import eagle3_step, run_target, shard_target_outputs
 from ringattn.eagle3.target import OfflineSamples, load_target, precompute
-from ringattn.eagle3.train import build_draft, build_target
+from ringattn.apps.eagle3_train import build_draft, build_target
 from reference import rel_err
 from test_eagle3_training import FP32_TOL, small_config
 

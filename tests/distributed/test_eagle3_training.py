@@ -11,7 +11,7 @@ import torch.distributed as dist
 import ringattn as ra
 from ringattn.eagle3.draft import eagle3_step, run_target
 from ringattn.eagle3.shift import Lookahead
-from ringattn.eagle3.train import Eagle3Config, build_draft, build_target, make_batches, train_eagle3
+from ringattn.apps.eagle3_train import Eagle3Config, build_draft, build_target, make_batches, train_eagle3
 from ringattn.testing import count_collectives
 from reference import rel_err
 

@@ -231,7 +231,7 @@ def overlapping_blocks():
     from ringattn.comm import RingComm
     from ringattn.masks import Block, BlockKind
     from ringattn.plan import Plan
-    from ringattn.ring import Ring, ring_forward
+    from ringattn.strategies.ring import Ring, ring_forward
     from ringattn.spec import AttnSpec
 
     F = BlockKind.FULL

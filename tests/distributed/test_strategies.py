@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import ringattn as ra
 from ringattn.testing import count_collectives
-from ringattn.ulysses import head_split
+from ringattn.strategies.ulysses import head_split
 from test_exact import LAYOUTS, cases, check, mask_cases, run_cases
 from test_features import cases as feature_cases
 from test_features import run_cases as run_feature_cases

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from ringattn.demo import REL_TOL, run_demo
+from ringattn.apps.demo import REL_TOL, run_demo
 
 pytest.importorskip("transformers")
 
@@ -60,7 +60,7 @@ def test_demo_rejects_bad_arguments_before_spawning(tmp_path, kwargs, named):
 def test_eagle3_demo_ring_matches_single_process(tmp_path):
     """``make demo``'s job, short: the Eagle3 draft under CP on 2 ranks (S=250: not a
     multiple of 2W, one row right padded) against one process with the dense TTT mask."""
-    from ringattn.eagle3.demo import REL_TOL as EAGLE3_TOL, run_eagle3_demo
+    from ringattn.apps.eagle3_demo import REL_TOL as EAGLE3_TOL, run_eagle3_demo
 
     result = run_eagle3_demo(world=2, steps=12, out_dir=str(tmp_path), verbose=False)
     assert result["failures"] == []

@@ -1,4 +1,4 @@
-"""``ringattn.train`` as users start it: under torchrun on a text file, and ``ringattn train``.
+"""``ringattn.apps.train`` as users start it: under torchrun on a text file, and ``ringattn train``.
 
 Under torchrun (2 gloo ranks, byte-level tokens of a text file, S = 37 which 2 does not
 divide) the per-step losses must equal the same model trained in one process with
@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from ringattn import cli
-from ringattn.train import TrainConfig, train
+from ringattn.apps import cli
+from ringattn.apps.train import TrainConfig, train
 
 pytest.importorskip("transformers")
 
@@ -33,7 +33,7 @@ def test_torchrun_on_text_equals_one_process(tmp_path, strategy, world):
     data.write_bytes(TEXT)
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(world), "-m", "ringattn.train", "--data", str(data), "--out", str(out), *ARGS,
+           str(world), "-m", "ringattn.apps.train", "--data", str(data), "--out", str(out), *ARGS,
            "--strategy", strategy, *(["--ulysses", "2"] if strategy == "hybrid" else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
@@ -66,13 +66,13 @@ def test_cli_train_rejects_bad_options(tmp_path, capsys):
 
 @pytest.mark.timeout(240)
 def test_eagle3_under_torchrun_dp_x_cp_equals_one_process(tmp_path):
-    """``python -m ringattn.eagle3.train`` under torchrun on 4 ranks, dp 2 x cp 2, S = 61:
+    """``python -m ringattn.apps.eagle3_train`` under torchrun on 4 ranks, dp 2 x cp 2, S = 61:
     the per-step losses and accuracies of one process on both replicas' rows."""
-    from ringattn.eagle3.train import Eagle3Config, train_eagle3
+    from ringattn.apps.eagle3_train import Eagle3Config, train_eagle3
 
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           "-m", "ringattn.eagle3.train", "--dp", "2", "--steps", "2", "--seqlen", "61",
+           "-m", "ringattn.apps.eagle3_train", "--dp", "2", "--steps", "2", "--seqlen", "61",
            "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
@@ -126,7 +126,7 @@ def test_eagle3_cli_refuses_a_world_that_dp_does_not_divide(monkeypatch, capsys,
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    from ringattn.eagle3 import train as eagle3_train
+    from ringattn.apps import eagle3_train
 
     def started(*args, **kwargs):
         raise AssertionError("a rank was started before the arguments were checked")

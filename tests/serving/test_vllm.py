@@ -30,7 +30,7 @@ if not SERVING_PYTHON:
 
 from ringattn.eagle3 import evaluate, export_draft, load_draft  # noqa: E402
 from ringattn.eagle3.target import load_target  # noqa: E402
-from ringattn.eagle3.train import Eagle3Config, build_draft, build_target, spawn_eagle3  # noqa: E402
+from ringattn.apps.eagle3_train import Eagle3Config, build_draft, build_target, spawn_eagle3  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 K = 3

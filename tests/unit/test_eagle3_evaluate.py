@@ -14,7 +14,7 @@ import torch
 from ringattn.eagle3 import evaluate
 from ringattn.eagle3.draft import capture_aux_hidden, eagle3_step, run_target
 from ringattn.eagle3.evaluate import draft_chain, mean_accepted_length, speculative_generate
-from ringattn.eagle3.train import Eagle3Config, build_draft, build_target, train_eagle3
+from ringattn.apps.eagle3_train import Eagle3Config, build_draft, build_target, train_eagle3
 
 TARGET = Eagle3Config()
 """The target: Eagle3Config's defaults."""

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ringattn.eagle3 import Eagle3Draft, dense_ttt_attention, export_draft, load_draft
-from ringattn.eagle3.train import Eagle3Config, build_draft, build_target, draft_config, train_eagle3
+from ringattn.apps.eagle3_train import Eagle3Config, build_draft, build_target, draft_config, train_eagle3
 
 CFG = Eagle3Config(vocab=96, draft_vocab=48, hidden=64, heads=4, kv_heads=2, intermediate=128,
                    target_layers=4)

@@ -9,7 +9,7 @@ from ringattn.kernels import available_kernels, get_kernel
 from ringattn.kernels import sdpa as sdpa_module
 from ringattn.masks import Band
 
-# fp32 results of these kernels sit near 1e-7 relative to float64 (FACTS.md: ~5e-7 out,
+# fp32 results of these kernels sit near 1e-7 relative to float64 (docs/platform.md: ~5e-7 out,
 # 1e-6..5e-6 backward); 1e-5 is the project's contract for fp32.
 TOL = 1e-5
 BANDS = [None, Band(0, None), Band(-3, 2), Band(-2, None), Band(None, 4), Band(-40, -1)]

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..api import allgather_attention, ring_attention
+from ..strategies.ring import ring_attention
 from ..comm import all_gather_single, resolve_group
 from ..varlen import varlen_attention
 

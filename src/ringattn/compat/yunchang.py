@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..api import hybrid_attention, ulysses_attention
+from ..strategies.hybrid import hybrid_attention
+from ..strategies.ulysses import ulysses_attention
 from ..comm import HYBRID_DIMS, all_gather_single, all_to_all_single, control_group, mesh_groups
 from ..layouts import Contiguous, Layout, Segment, Striped, Zigzag
 

@@ -7,8 +7,8 @@
 * ``Lookahead``: rows a few positions ahead, read across shard boundaries.
 * ``Eagle3Draft``, ``run_target``, ``shard_target_outputs``, ``eagle3_step``: the draft,
   the target under CP (or precomputed target outputs sharded, for offline training), one
-  TTT unroll with global per-step losses and accuracies (``ringattn.eagle3.train`` has the
-  DP x CP training loop, ``ringattn.eagle3.demo`` the demo). See docs/eagle3.md.
+  TTT unroll with global per-step losses and accuracies (``ringattn.apps.eagle3_train`` has the
+  DP x CP training loop, ``ringattn.apps.eagle3_demo`` the demo). See docs/eagle3.md.
 """
 
 from .attention import dense_ttt_attention, modelopt_ttt_mask, ttt_attention, ttt_mask

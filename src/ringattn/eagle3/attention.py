@@ -26,10 +26,11 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..api import autocast_inputs, build_ring, split_heads_attention, unit_stride
+from ..strategies.ring import Ring, build_ring, ring_backward, ring_forward
+from ..strategies.ulysses import split_heads_attention
+from ..validate import autocast_inputs, unit_stride
 from ..comm import resolve_group
 from ..masks import key_padding
-from ..ring import Ring, ring_backward, ring_forward
 from ..spec import accumulator_dtype
 
 __all__ = ["ttt_attention", "dense_ttt_attention", "ttt_mask", "modelopt_ttt_mask"]

@@ -79,7 +79,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from transformers import Trainer
 
-from ..api import check_strategy
+from ..validate import check_strategy
 from ..batch import shard_batch
 from ..comm import hybrid_mesh
 from ..layouts import DEFAULT_LAYOUT

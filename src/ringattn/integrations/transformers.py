@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..auto import attention
+from ..strategies.auto import attention
 from ..batch import shard_batch
 from ..layouts import DEFAULT_LAYOUT
 from ..masks import and_keys, chunked_key

@@ -23,7 +23,7 @@ with ``out`` and ``lse`` (the merged results) held constant: df/d(out_b) = c * d
 df/d(lse_b) = c * dout . (out_b - out), exactly the block's share of the gradient of the
 merged output (out = sum_b exp(lse_b - lse) out_b). This costs one extra block forward.
 
-flex has no backward on CPU and cannot return the LSE there when compiled (FACTS.md), so
+flex has no backward on CPU and cannot return the LSE there when compiled (docs/platform.md), so
 this kernel supports CUDA only.
 """
 

@@ -92,7 +92,17 @@ def get_kernel(name: str | Kernel | None, device: torch.device, dtype: torch.dty
     else:
         raise TypeError(f"kernel must be a name or a Kernel object, got {type(name).__name__}")
     if not kernel.supports(device, dtype):
-        raise ValueError(f"kernel {kernel.name!r} does not support {dtype} on {device}")
+        here = [n for n, k in _KERNELS.items() if k.supports(device, dtype)]
+        dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+        if not any(kernel.supports(device, d) for d in dtypes):
+            where = [t for t in ("cpu", "cuda")
+                     if any(kernel.supports(torch.device(t), d) for d in dtypes)]
+            raise ValueError(
+                f"kernel {kernel.name!r} runs on {' and '.join(where) or 'no device here'} "
+                f"only, not on {device.type}; for {dtype} on {device.type} use one of "
+                f"{['auto', *here]}")
+        raise ValueError(f"kernel {kernel.name!r} does not support {dtype} on {device}; for "
+                         f"{dtype} there use one of {['auto', *here]}")
     missing = needs - frozenset(getattr(kernel, "features", ()))
     if missing:
         raise ValueError(f"kernel {kernel.name!r} cannot compute {sorted(missing)}; "

@@ -1,8 +1,8 @@
 """Command line: ``ringattn demo`` (run by ``make demo``: Eagle3 draft training; ``--target
 lm`` for the plain LM) and ``ringattn train``.
 
-Also ``python -m ringattn.cli demo|train``; ``ringattn train`` takes the options of
-``python -m ringattn.train`` and, like it, runs under torchrun too.
+Also ``python -m ringattn.apps.cli demo|train``; ``ringattn train`` takes the options of
+``python -m ringattn.apps.train`` and, like it, runs under torchrun too.
 """
 
 from __future__ import annotations
@@ -10,15 +10,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import train
-from .eagle3.train import Eagle3Config
-from .layouts import LAYOUTS
+from .. import __version__
+from ..layouts import LAYOUTS
+from . import require_extra, train
+from .eagle3_train import Eagle3Config
 
 __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ringattn", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
@@ -62,12 +64,13 @@ def main(argv: list[str] | None = None) -> int:
         0 on success (a failure exits through ``SystemExit(1)``; bad usage through 2).
     """
     args = _parser().parse_args(argv)
+    require_extra("demo", f"ringattn {args.command}")
     if args.command == "train":
         train.run_and_report(args)
         return 0
     try:
         if args.target == "eagle3":
-            from .eagle3.demo import run_eagle3_demo
+            from .eagle3_demo import run_eagle3_demo
 
             result = run_eagle3_demo(
                 world=args.world, steps=args.steps or Eagle3Config.steps, out_dir=args.out,

@@ -45,11 +45,14 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from .api import STRATEGIES, STRATEGY_NAMES, check_strategy
-from .comm import RingComm, is_hybrid_mesh, mesh_groups, metadata_device, resolve_group
-from .layouts import DEFAULT_LAYOUT, Layout, get_layout, grouped, local_positions
-from .masks import check_cu_seqlens
-from .ulysses import head_split
+from ..validate import STRATEGY_NAMES, check_strategy
+from .allgather import allgather_attention
+from .hybrid import hybrid_attention
+from .ring import ring_attention
+from ..comm import RingComm, is_hybrid_mesh, mesh_groups, metadata_device, resolve_group
+from ..layouts import DEFAULT_LAYOUT, Layout, get_layout, grouped, local_positions
+from ..masks import check_cu_seqlens
+from .ulysses import head_split, ulysses_attention
 
 __all__ = ["CostModel", "Link", "Estimate", "attention", "choose", "estimate", "measure", "work"]
 
@@ -85,7 +88,7 @@ class CostModel:
     overlap: float = 1.0
     """How much of a ring hop hides behind the kernels beside it: 1 (GPUs: NCCL's copies
     run beside the kernels), 0 (the time of both is the sum: CPU ranks, whose gloo copies
-    take the cores the kernels use; FACTS.md). Measured by ``measure``."""
+    take the cores the kernels use; docs/platform.md). Measured by ``measure``."""
 
     @property
     def across(self) -> Link:
@@ -355,6 +358,13 @@ def call_shape(q, k, v, group, *, causal=False, window_size=(-1, -1), layout=DEF
     return CallShape(q.shape[0], int(s), q.shape[2], k.shape[2], q.shape[3], v.shape[3],
                      q.element_size(), backward, get_layout(layout, cu), bool(causal),
                      tuple(int(x) for x in window_size), cu, mesh, world)
+
+
+STRATEGIES = {"ring": ring_attention, "ulysses": ulysses_attention,
+              "allgather": allgather_attention, "hybrid": hybrid_attention}
+"""Strategy name -> its attention function (the same arguments; ``backward_overlap`` is the
+ring's own, ``heads_k_stride`` all-gather's)."""
+
 
 
 def attention(q, k, v, *, group=None, strategy: str = "auto", cost: CostModel | None = None,

@@ -19,8 +19,8 @@ from __future__ import annotations
 import os
 import time
 
-from ..demo import run_costs, save_result
-from .train import Eagle3Config, spawn_eagle3, train_eagle3
+from .demo import run_costs, save_result
+from .eagle3_train import Eagle3Config, spawn_eagle3, train_eagle3
 
 __all__ = ["REL_TOL", "run_eagle3_demo"]
 
@@ -113,7 +113,7 @@ def demo_tokenizer(words=CHAT_WORDS, template: str = CHAT_TEMPLATE):
 def run_chat_demo(world: int, out_dir: str, *, steps: int = 20, verbose: bool = True) -> dict:
     """The path users take, small: the demo's target saved as a local model directory with a
     chat tokenizer, 32 synthetic conversations as JSON lines, packed training under CP on
-    ``world`` ranks (``python -m ringattn.eagle3.train --target ... --data ... --pack``),
+    ``world`` ranks (``python -m ringattn.apps.eagle3_train --target ... --data ... --pack``),
     the exported SGLang draft loaded back and used for speculative decoding.
 
     Returns:
@@ -124,9 +124,9 @@ def run_chat_demo(world: int, out_dir: str, *, steps: int = 20, verbose: bool = 
 
     import torch
 
-    from .evaluate import speculative_generate
-    from .export import load_draft
-    from .train import build_target
+    from ..eagle3.evaluate import speculative_generate
+    from ..eagle3.export import load_draft
+    from .eagle3_train import build_target
 
     base = Eagle3Config()
     target_dir, chat_dir = os.path.join(out_dir, "target"), os.path.join(out_dir, "chat")
@@ -176,9 +176,9 @@ def _acceptance(cfg: Eagle3Config, out_dir: str) -> dict:
     the output equals the target's greedy generation."""
     import torch
 
-    from .evaluate import speculative_generate
-    from .export import load_draft
-    from .train import _draft_ids, build_draft, build_target
+    from ..eagle3.evaluate import speculative_generate
+    from ..eagle3.export import load_draft
+    from .eagle3_train import _draft_ids, build_draft, build_target
 
     target = build_target(cfg, "sdpa")
     trained = load_draft(os.path.join(out_dir, "draft-sglang"),

@@ -8,8 +8,8 @@ steps. Per-TTT-step loss
 and accuracy are global means (over CP and DP). Without a group the same code runs in one
 process with the dense TTT mask: the baseline the CP run must match.
 
-    python -m ringattn.eagle3.train --world 2          # spawns 2 gloo CPU ranks
-    torchrun --nproc-per-node 4 -m ringattn.eagle3.train --dp 2   # DP 2 x CP 2
+    python -m ringattn.apps.eagle3_train --world 2          # spawns 2 gloo CPU ranks
+    torchrun --nproc-per-node 4 -m ringattn.apps.eagle3_train --dp 2   # DP 2 x CP 2
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ import torch.distributed as dist
 from ..comm import metadata_device, resolve_group
 from ..integrations import transformers as ra_hf
 from ..layouts import LAYOUTS, local_positions
-from ..train import leave_together, peak_rss_mib, plot_curves, spawn
-from .draft import (Eagle3Draft, aux_layer_ids, draft_vocabulary, eagle3_step, run_target,
+from . import require_extra
+from .train import leave_together, peak_rss_mib, plot_curves, spawn
+from ..eagle3.draft import (Eagle3Draft, aux_layer_ids, draft_vocabulary, eagle3_step, run_target,
                     shard_target_outputs)
-from .export import FORMATS, export_draft
-from .target import OfflineSamples, load_target
+from ..eagle3.export import FORMATS, export_draft
+from ..eagle3.target import OfflineSamples, load_target
 
 __all__ = ["Eagle3Config", "build_target", "build_draft", "make_batches", "train_step",
            "train_eagle3", "spawn_eagle3", "shard_ranges"]
@@ -235,7 +236,7 @@ def chat_rows(cfg: Eagle3Config) -> tuple[list[dict], list]:
     """(training rows, rendered samples) of ``cfg.data`` with ``cfg.target``'s tokenizer."""
     from transformers import AutoTokenizer
 
-    from .data import load_conversations, make_rows, render
+    from ..eagle3.data import load_conversations, make_rows, render
 
     tok = AutoTokenizer.from_pretrained(cfg.target, local_files_only=True)
     samples = [render(tok, c, max_len=cfg.seqlen) for c in load_conversations(cfg.data)]
@@ -334,7 +335,7 @@ def _draft_ids(cfg: Eagle3Config, target, group, samples=None):
     (``data.frequency_vocabulary``); else the target's most frequent top tokens on the
     first batch."""
     if samples is not None:
-        from .data import frequency_vocabulary
+        from ..eagle3.data import frequency_vocabulary
 
         return frequency_vocabulary(samples, target.config.vocab_size, cfg.draft_vocab)
     first = next(make_batches(Eagle3Config(**{**asdict(cfg), "steps": 1}), replica=0))
@@ -665,7 +666,7 @@ def _eval_prompts(cfg: Eagle3Config, n: int) -> list[torch.Tensor]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ringattn.eagle3.train",
+    parser = argparse.ArgumentParser(prog="python -m ringattn.apps.eagle3_train",
                                      description=__doc__.split("\n\n")[0])
     d = Eagle3Config
     parser.add_argument("--world", type=int, default=2,
@@ -726,6 +727,7 @@ def main(argv=None) -> int:
                         help="directory for curves, checkpoints and the exported drafts "
                         "(default eagle3_out)")
     args = parser.parse_args(argv)
+    require_extra("demo", "python -m ringattn.apps.eagle3_train")
     try:
         cfg = Eagle3Config(steps=args.steps, seqlen=args.seqlen, layout=args.layout, dp=args.dp,
                            target=args.target, data=args.data, pack=args.pack, batch=args.batch,

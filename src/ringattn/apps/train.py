@@ -17,9 +17,9 @@ put on another rank), or byte-level windows of a local text file (``--data PATH`
 
 Run it under torchrun (ranks from RANK / WORLD_SIZE / MASTER_ADDR)::
 
-    torchrun --nproc-per-node 2 -m ringattn.train --steps 300 --out train_out
+    torchrun --nproc-per-node 2 -m ringattn.apps.train --steps 300 --out train_out
 
-or let it spawn its own ranks (``python -m ringattn.train --world 2``, ``ringattn train``,
+or let it spawn its own ranks (``python -m ringattn.apps.train --world 2``, ``ringattn train``,
 or ``spawn(cfg, world=2)`` from Python). Rank 0 shows a progress bar, logs loss and
 tokens/s, and writes ``train.json`` (the curves) and ``loss.png`` to the output directory.
 """
@@ -43,12 +43,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from .api import STRATEGY_CHOICES, check_strategy
-from .batch import all_reduce_metrics, shard_batch
-from .comm import hybrid_mesh, resolve_group
-from .integrations import transformers as ra_hf
-from .layouts import LAYOUTS
-from .sharding import positions
+from ..validate import STRATEGY_CHOICES, check_strategy
+from ..batch import all_reduce_metrics, shard_batch
+from ..comm import hybrid_mesh, resolve_group
+from ..integrations import transformers as ra_hf
+from ..layouts import LAYOUTS
+from ..sharding import positions
+from . import require_extra
 
 __all__ = [
     "TrainConfig", "build_model", "make_batches", "train", "spawn", "plot_curves",
@@ -641,15 +642,17 @@ def run_and_report(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ringattn.train [options]`` (also ``ringattn train``); see ``--help``.
+    """``python -m ringattn.apps.train [options]`` (also ``ringattn train``); see ``--help``.
 
     Returns:
         0 (bad options exit through ``SystemExit(2)``).
     """
-    parser = argparse.ArgumentParser(prog="python -m ringattn.train",
+    parser = argparse.ArgumentParser(prog="python -m ringattn.apps.train",
                                      description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    run_and_report(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    require_extra("demo", "python -m ringattn.apps.train")
+    run_and_report(args)
     return 0
 
 

@@ -1,6 +1,6 @@
 """The demo: a transformers causal LM trained under context parallelism trains like one process.
 
-The model, the data and the training loop are ``ringattn.train``'s: a tiny random-weight
+The model, the data and the training loop are ``ringattn.apps.train``'s: a tiny random-weight
 ``LlamaForCausalLM`` (GQA) on the copy task (a random first half, then its copy, so a
 second-half token is predictable only by attending S/2 positions back, which the zigzag
 layout puts on another rank). It is trained twice from the same seed on the same batches

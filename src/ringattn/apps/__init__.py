@@ -1,0 +1,31 @@
+"""Programs built on the library (nothing in the library imports them):
+
+* ``cli``: the ``ringattn`` command (``ringattn demo``, ``ringattn train``);
+* ``train``: the LM trainer (``python -m ringattn.apps.train``, ``ringattn train``);
+* ``demo``: the LM demo (``ringattn demo --target lm``);
+* ``eagle3_train``: Eagle3 draft training, DP x CP (``python -m ringattn.apps.eagle3_train``);
+* ``eagle3_demo``: the Eagle3 demo that ``make demo`` runs (``ringattn demo``).
+"""
+
+from __future__ import annotations
+
+
+import importlib.util
+import sys
+
+EXTRAS = {"demo": ("transformers", "tqdm", "matplotlib"), "hf": ("transformers", "accelerate")}
+"""The install extras the programs need (pyproject.toml's optional dependencies)."""
+
+
+def require_extra(extra: str, program: str) -> None:
+    """Exit with one line naming the missing packages and the extra that installs them,
+    before a program starts any work.
+
+    Raises:
+        SystemExit: code 2 when a package of ``extra`` is not installed.
+    """
+    missing = [m for m in EXTRAS[extra] if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"{program} needs {', '.join(missing)}: pip install 'ringattn[{extra}]'",
+              file=sys.stderr)
+        raise SystemExit(2)
