@@ -628,8 +628,8 @@ def report_run(cfg: Eagle3Config, out_dir: str, *, prompts: int = 8) -> dict | N
     Returns:
         ``evaluate.acceptance``'s dict (None with ``prompts`` 0).
     """
-    from .evaluate import acceptance
-    from .export import load_draft
+    from ..eagle3.evaluate import acceptance
+    from ..eagle3.export import load_draft
 
     result = None
     speculators = os.path.join(out_dir, "draft-speculators")

@@ -131,7 +131,8 @@ class RingTrainer(Trainer):
         super().__init__(*args, **kwargs)
         if not dist.is_initialized():
             raise ValueError("RingTrainer needs torch.distributed initialised: launch it with "
-                             "torchrun")
+                             "torchrun, or accelerate launch with a distributed_type: MULTI_GPU "
+                             "config (a MULTI_CPU config starts one process)")
         if self.compute_loss_func is not None:
             raise ValueError("RingTrainer computes the causal-LM loss itself; compute_loss_func "
                              "would see one rank's shard only")
