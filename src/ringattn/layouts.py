@@ -145,30 +145,49 @@ class DocumentZigzag(Layout):
         return world
 
     def segments(self, rank: int, world: int, padded: int) -> tuple[Segment, ...]:
-        return _document_segments(self.cu_seqlens, world, padded)[rank]
+        return _per_document_segments(self.cu_seqlens, world, padded, _zigzag_chunks)[rank]
+
+
+def _zigzag_chunks(length: int, world: int, turn: int):
+    """One document's 2W zigzag chunks in document order, as (rank, size), and the next
+    ``turn`` (the rank that gets the next left-over token)."""
+    base, extra = divmod(length, 2 * world)
+    gets = [0] * world
+    for i in range(extra):
+        gets[(turn + i) % world] += 1
+    early = [(r, base + (gets[r] >= 1)) for r in range(world)]  # chunks r, rank order
+    late = [(r, base + (gets[r] == 2)) for r in reversed(range(world))]  # chunks 2W-1-r
+    return early + late, (turn + extra) % world
+
+
+def _contiguous_chunks(length: int, world: int, turn: int):
+    """One document's W contiguous chunks in document order, as (rank, size), and the
+    next ``turn``."""
+    base, extra = divmod(length, world)
+    return [(r, base + ((r - turn) % world < extra)) for r in range(world)], (turn + extra) % world
 
 
 @lru_cache(maxsize=64)
-def _document_segments(cu: tuple[int, ...], world: int, padded: int):
+def _per_document_segments(cu: tuple[int, ...], world: int, padded: int, chunks):
+    """Every rank's segments when each document is cut by ``chunks`` (``_zigzag_chunks``
+    or ``_contiguous_chunks``), left-over tokens dealt round-robin across documents, and
+    each rank's buffer padded at its end."""
     per_rank: list[list[Segment]] = [[] for _ in range(world)]
     used = [0] * world
-    turn = 0  # the rank that gets the next left-over token
+    turn = 0
     for start, stop in zip(cu[:-1], cu[1:]):
-        base, extra = divmod(stop - start, 2 * world)
-        gets = [0] * world
-        for i in range(extra):
-            gets[(turn + i) % world] += 1
-        turn = (turn + extra) % world
-        sizes = [base + (gets[c] >= 1) for c in range(world)]  # early chunks, rank order
-        sizes += [base + (gets[r] == 2) for r in reversed(range(world))]  # late chunks
+        pieces, turn = chunks(stop - start, world, turn)
         offset = start
-        for c, size in enumerate(sizes):
-            r = c if c < world else 2 * world - 1 - c
+        for r, size in pieces:
             if size:
                 per_rank[r].append(Segment(used[r], size, offset, 1))
                 used[r] += size
             offset += size
-    _pad_segments(per_rank, used, padded // world, cu[-1])
+    local, pad_start = padded // world, cu[-1]
+    for r in range(world):  # padding slots get unique positions >= S, rank by rank
+        if used[r] < local:
+            per_rank[r].append(Segment(used[r], local - used[r], pad_start, 1))
+            pad_start += local - used[r]
     return tuple(tuple(segs) for segs in per_rank)
 
 
@@ -190,34 +209,7 @@ class DocumentContiguous(Layout):
         return world
 
     def segments(self, rank: int, world: int, padded: int) -> tuple[Segment, ...]:
-        return _contiguous_document_segments(self.cu_seqlens, world, padded)[rank]
-
-
-@lru_cache(maxsize=64)
-def _contiguous_document_segments(cu: tuple[int, ...], world: int, padded: int):
-    per_rank: list[list[Segment]] = [[] for _ in range(world)]
-    used = [0] * world
-    turn = 0  # the rank that gets the next left-over token
-    for start, stop in zip(cu[:-1], cu[1:]):
-        base, extra = divmod(stop - start, world)
-        sizes = [base + ((r - turn) % world < extra) for r in range(world)]
-        turn = (turn + extra) % world
-        offset = start
-        for r, size in enumerate(sizes):
-            if size:
-                per_rank[r].append(Segment(used[r], size, offset, 1))
-                used[r] += size
-            offset += size
-    _pad_segments(per_rank, used, padded // world, cu[-1])
-    return tuple(tuple(segs) for segs in per_rank)
-
-
-def _pad_segments(per_rank, used, local: int, pad_start: int) -> None:
-    """Padding slots get unique positions >= S, rank by rank, at the end of each buffer."""
-    for r in range(len(per_rank)):
-        if used[r] < local:
-            per_rank[r].append(Segment(used[r], local - used[r], pad_start, 1))
-            pad_start += local - used[r]
+        return _per_document_segments(self.cu_seqlens, world, padded, _contiguous_chunks)[rank]
 
 
 @dataclass(frozen=True)
