@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .validate import check_strategy
-from .comm import is_hybrid_mesh, metadata_device, resolve_group
+from .comm import collective, is_hybrid_mesh, metadata_device, resolve_group
 from .layouts import DEFAULT_LAYOUT
 from .masks import Mask, check_cu_seqlens, key_mask, key_padding, mask_key
 from .sharding import positions, shard
@@ -226,7 +226,7 @@ def all_reduce_metrics(metrics: dict, group=None) -> dict:
     names = list(metrics)
     flat = torch.tensor([float(x) for n in names for x in metrics[n]], dtype=torch.float64,
                         device=metadata_device(pg))
-    dist.all_reduce(flat, group=pg)
+    collective("all_reduce_metrics", pg, lambda: dist.all_reduce(flat, group=pg, async_op=True))
     flat = flat.cpu().view(len(names), 2)
     return {n: float(flat[i, 0] / flat[i, 1]) if flat[i, 1] != 0 else float("nan")
             for i, n in enumerate(names)}

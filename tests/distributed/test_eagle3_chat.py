@@ -72,10 +72,11 @@ def test_chat_training_under_cp_equals_one_process(clusters, tmp_path, pack):
 
 
 def test_offline_command_writes_the_rendered_conversations(tmp_path):
-    """``python -m ringattn.eagle3.target``: the chat data rendered and run through the
+    """``python -m ringattn.apps.eagle3_target``: the chat data rendered and run through the
     target once, read back with the same ids and loss masks as rendering them directly."""
     from ringattn.eagle3.data import load_conversations, render
-    from ringattn.eagle3.target import OfflineSamples, main
+    from ringattn.apps.eagle3_target import main
+    from ringattn.eagle3.target import OfflineSamples
 
     target, data = _setup(tmp_path)
     assert main(["--target", target, "--data", data, "--out", str(tmp_path / "off"),
@@ -100,7 +101,7 @@ def run_offline_training(cfg):
 def test_offline_training_equals_online(clusters, tmp_path):
     """Training on stored outputs (``--offline``) under CP on 2 ranks gives the losses of
     online training on the same conversations in one process."""
-    from ringattn.eagle3.target import main
+    from ringattn.apps.eagle3_target import main
 
     target, data = _setup(tmp_path)
     assert main(["--target", target, "--data", data, "--out", str(tmp_path / "off"),

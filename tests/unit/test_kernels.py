@@ -78,7 +78,8 @@ def test_registry():
     assert "reference" in available_kernels()
     with pytest.raises(ValueError, match="unknown kernel 'flash3'"):
         get_kernel("flash3", cpu, torch.float32)
-    with pytest.raises(ValueError, match="does not support"):
+    with pytest.raises(ValueError, match=r"'sdpa-cuda' runs on cuda only, not on cpu; .* use "
+                                         r"one of \['auto', 'sdpa-cpu', 'reference'\]"):
         get_kernel("sdpa-cuda", cpu, torch.float32)
     with pytest.raises(TypeError, match="kernel must be"):
         get_kernel(3, cpu, torch.float32)

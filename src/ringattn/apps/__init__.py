@@ -4,7 +4,9 @@
 * ``train``: the LM trainer (``python -m ringattn.apps.train``, ``ringattn train``);
 * ``demo``: the LM demo (``ringattn demo --target lm``);
 * ``eagle3_train``: Eagle3 draft training, DP x CP (``python -m ringattn.apps.eagle3_train``);
-* ``eagle3_demo``: the Eagle3 demo that ``make demo`` runs (``ringattn demo``).
+* ``eagle3_demo``: the Eagle3 demo that ``make demo`` runs (``ringattn demo``);
+* ``eagle3_target``: store a target's outputs for offline Eagle3 training
+  (``python -m ringattn.apps.eagle3_target``).
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ class Eagle3Config:
     decoder layer and at the root): for targets that do not fit one device; each layer's
     weights are all-gathered for its forward and freed after."""
     offline: str | None = None
-    """A directory ``python -m ringattn.eagle3.target`` wrote: train on the stored target
+    """A directory ``python -m ringattn.apps.eagle3_target`` wrote: train on the stored target
     outputs instead of running the target (``target`` still gives the draft its layer
     config and embedding)."""
 
@@ -683,7 +683,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shard-target", action="store_true",
                         help="shard the target's weights over all ranks with FSDP2 (default off)")
     parser.add_argument("--offline", default=None,
-                        help="train on target outputs stored by python -m ringattn.eagle3.target "
+                        help="train on target outputs stored by python -m ringattn.apps.eagle3_target "
                         "(needs --target: the draft's config and embedding; default: run the "
                         "target online)")
     parser.add_argument("--steps", type=int, default=d.steps,
@@ -692,7 +692,7 @@ def main(argv=None) -> int:
                         help=f"global sequence length S of a row (default {d.seqlen})")
     parser.add_argument("--pad", type=int, default=None,
                         help=f"right padding of each batch's last row, synthetic data only "
-                        f"(default {d.pad}, or seqlen // 4 when that is less)")
+                        f"(default {d.pad}, or seqlen // 4 when seqlen <= {d.pad})")
     parser.add_argument("--batch", type=int, default=d.batch,
                         help=f"rows per replica per batch (default {d.batch})")
     parser.add_argument("--accumulate", type=int, default=d.accumulate,
@@ -735,7 +735,8 @@ def main(argv=None) -> int:
                            accumulate=args.accumulate, draft_vocab=args.draft_vocab, lr=args.lr,
                            warmup=args.warmup, grad_clip=args.grad_clip, dtype=args.dtype,
                            save_every=args.save_every, strategy=args.strategy,
-                           pad=min(d.pad, args.seqlen // 4) if args.pad is None else args.pad)
+                           pad=args.pad if args.pad is not None
+                           else d.pad if d.pad < args.seqlen else args.seqlen // 4)
         torchrun = "LOCAL_RANK" in os.environ
         cfg.check_world(int(os.environ.get("WORLD_SIZE", 1)) if torchrun else args.world)
     except ValueError as exc:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import resolve_group
+from ..comm import collective, resolve_group
 from ..masks import check_cu_seqlens
 from ..sharding import positions, shard
 from .attention import dense_ttt_attention, ttt_attention
@@ -536,7 +536,9 @@ def eagle3_step(draft: Eagle3Draft, tgt: TargetOutputs, *, steps: int = 7,
             correct = ((logits.argmax(-1) == ahead.take(ext_top, 1 + j)) & active).sum()
             sums[:, j] = torch.stack([loss.double(), correct.double(), counted.sum().double()])
     if tgt.group is not None:  # (gloo: CPU tensors; NCCL: the tensors' GPU)
-        dist.all_reduce(sums, group=resolve_group(tgt.group))
+        pg = resolve_group(tgt.group)
+        collective("Eagle3's loss and accuracy sums", pg,
+                   lambda: dist.all_reduce(sums, group=pg, async_op=True))
     sums = sums.cpu()  # the one host sync of the step
     accs = [float(c / n) if n > 0 else float("nan") for c, n in zip(sums[1], sums[2])]
     return StepResult(total, [float(x) for x in sums[0]], accs, sums)

@@ -4,7 +4,7 @@ Legend: S sequence length, H target hidden size, V target vocabulary.
 
 Online training runs the frozen target on every batch (``run_target``; under CP through the
 transformers integration). Offline training reads what the target would have produced from
-disk, written once by ``precompute`` (``python -m ringattn.eagle3.target``), in this format:
+disk, written once by ``precompute`` (``python -m ringattn.apps.eagle3_target``), in this format:
 
 * ``<dir>/index.json``: ``{"format": "ringattn-eagle3-offline", "version": 2,
   "aux_layers": [l0, l1, l2], "target_hidden_size": H, "vocab_size": V, "dtype": "...",
@@ -174,37 +174,3 @@ class OfflineSamples:
             out["aux_hidden"][r, :n] = row["aux_hidden"][:n].float()
             out["logits"][r, :n] = row["logits"][:n].float()
         return out
-
-
-def main(argv=None) -> int:
-    """``python -m ringattn.eagle3.target --target DIR --data chats.jsonl --out DIR``: render
-    the conversations with the target's tokenizer and write the offline format."""
-    import argparse
-
-    from transformers import AutoTokenizer
-
-    from .data import load_conversations, render
-
-    parser = argparse.ArgumentParser(prog="python -m ringattn.eagle3.target",
-                                     description=main.__doc__.split("\n\n")[0])
-    parser.add_argument("--target", required=True, help="a local transformers model directory")
-    parser.add_argument("--data", required=True, help="JSON lines of conversations")
-    parser.add_argument("--out", required=True, help="the offline directory to write")
-    parser.add_argument("--seqlen", type=int, default=None, help="cut conversations to this")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16",
-                        help="of the stored hidden states and logits")
-    args = parser.parse_args(argv)
-    target = load_target(args.target, attn_implementation="sdpa")
-    tok = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
-    samples = []
-    for conv in load_conversations(args.data):
-        ids, mask = render(tok, conv, max_len=args.seqlen)
-        samples.append({"input_ids": ids, "loss_mask": mask})
-    index = precompute(target, samples, args.out, dtype=args.dtype)
-    print(f"wrote {len(index['samples'])} samples to {args.out} (aux layers "
-          f"{index['aux_layers']}, {args.dtype})")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -49,7 +49,8 @@ from ..validate import STRATEGY_NAMES, check_strategy
 from .allgather import allgather_attention
 from .hybrid import hybrid_attention
 from .ring import ring_attention
-from ..comm import RingComm, is_hybrid_mesh, mesh_groups, metadata_device, resolve_group
+from ..comm import (RingComm, collective, is_hybrid_mesh, mesh_groups, metadata_device,
+                    resolve_group)
 from ..layouts import DEFAULT_LAYOUT, Layout, get_layout, grouped, local_positions
 from ..masks import check_cu_seqlens
 from .ulysses import head_split, ulysses_attention
@@ -303,7 +304,8 @@ def measure(group=None, *, nbytes: int = 4 << 20, reps: int = 3) -> CostModel:
     times += [_best_of(reps, dev, beside), _best_of(reps, dev, kernel)]
     row = torch.tensor(times, dtype=torch.float64, device=dev)
     if dist.get_world_size(flat) > 1:
-        dist.all_reduce(row, op=dist.ReduceOp.MAX, group=flat)
+        collective("auto's link measurement", flat, lambda: dist.all_reduce(
+            row, op=dist.ReduceOp.MAX, group=flat, async_op=True))
     t = row.tolist()
     links = [Link(bandwidth=nbytes / max(big - lat, 1e-9), latency=lat)
              for lat, big in zip(t[0:-2:2], t[1:-2:2])]

@@ -37,7 +37,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from ..comm import RingComm, metadata_device, resolve_group
+from ..comm import RingComm, collective, metadata_device, resolve_group
 from ..kernels import Kernel
 from ..layouts import DEFAULT_LAYOUT, Layout, local_positions
 from ..masks import Mask, mask_key
@@ -337,7 +337,9 @@ def attention_backward(ring: Ring, lse_grad: bool, q, k, v, out, lse, sinks, dou
     if lse_grad and ring.comm.world > 1:
         # every rank must send the same shapes: fold if any rank has an lse gradient
         flag = torch.tensor([int(fold)], device=metadata_device(ring.comm.group))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ring.comm.group)
+        collective("backward's agreement on an lse gradient", ring.comm.group,
+                   lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ring.comm.group,
+                                           async_op=True))
         fold = bool(flag.item())
     dsinks = None
     if sinks is not None and need_dsinks:
