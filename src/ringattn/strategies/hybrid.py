@@ -46,7 +46,11 @@ def hybrid_attention(
 
     ``group`` is a DeviceMesh with mesh_dim_names ("ring", "ulysses") of sizes (R, U), made
     e.g. by ``init_device_mesh("cuda", (R, U), mesh_dim_names=("ring", "ulysses"))`` so
-    that a Ulysses group is one node. Each rank all-to-alls its shard over its Ulysses group
+    that a Ulysses group is one node. Its ranks must be listed in increasing order row by
+    row (as ``init_device_mesh`` and ``ra.hybrid_mesh`` make them): torch orders every
+    process group by global rank, so any other order (``[[0, 1], [3, 2]]``, column-major)
+    is refused with the same ValueError on every rank before any collective. Each rank
+    all-to-alls its shard over its Ulysses group
     (getting the U shards of that group for ~H/U heads, as ``ulysses_attention``), then the
     R groups run the ring over those unions (``layouts.Grouped``: zigzag over W grouped by
     U is zigzag over R, so causal work stays balanced), then the outputs go back.

@@ -469,7 +469,9 @@ def ring_attention(
         sinks: [H] float tensor (gpt-oss's ``sinks``, differentiable): one extra logit per
             head in every row's softmax denominator, with value 0 (a row then sums to less
             than 1). lse includes it. Its gradient on each rank is the share of this rank's
-            queries: sum it over the group, as any parameter's under CP.
+            queries: sum it over the group, as any parameter's under CP. Finite or -inf (a
+            head without a sink: its rows that see no key give out 0, lse -inf); the ranks
+            compare the values in the agreement (one copy of H floats to the host per call).
         alibi_slopes: [H] floats (flash-attn's ``alibi_slopes``, constants): adds
             ``-alibi_slopes[h] * |i - j|`` to the score of query i and key j (GLOBAL
             positions, after soft-capping). Computed by the reference kernel.
