@@ -93,7 +93,6 @@ def batch_cases():
                 if pack == "qkvpacked":
                     qkv = torch.stack([t.detach() for t in local], dim=2).requires_grad_()
                     out, lse, none = fn(qkv, causal=causal, return_attn_probs=True)
-                    grads = qkv.unbind(2)
                 elif pack == "kvpacked":
                     kv = torch.stack([t.detach() for t in local[1:]], dim=2).requires_grad_()
                     out, lse, none = fn(local[0], kv, causal=causal, return_attn_probs=True)

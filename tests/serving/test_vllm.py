@@ -18,7 +18,6 @@ For a 4-layer and an 8-layer target and a whole-vocabulary draft:
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
