@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .validate import check_strategy
 from .comm import collective, is_hybrid_mesh, metadata_device, resolve_group
-from .layouts import DEFAULT_LAYOUT
+from .layouts import DEFAULT_LAYOUT, same_tag
 from .masks import Mask, check_cu_seqlens, key_mask, key_padding, mask_key
 from .sharding import positions, shard
 
@@ -170,11 +170,13 @@ def shard_batch(batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, extra_
                           first_B1, ids)
     else:
         first_B1 = ids[:, :1]
-    local = {"input_ids": torch.where(real.to(ids.device), shard(ids, **kw), first_B1)}
+    ids_local = shard(ids, **kw)
+    local = {"input_ids": same_tag(torch.where(real.to(ids.device), ids_local, first_B1),
+                                   ids_local)}
     if batch.get("position_ids") is not None:
         local["position_ids"] = shard(batch["position_ids"], **kw)
     elif cu is not None:  # RoPE restarts in every document
-        local["position_ids"] = pos_local[1].to(ids.device).expand(b, -1)
+        local["position_ids"] = same_tag(pos_local[1].to(ids.device).expand(b, -1), ids_local)
     else:
         local["position_ids"] = shard(torch.arange(s, device=ids.device).expand(b, s), **kw)
     if batch.get("labels") is not None:
@@ -186,7 +188,9 @@ def shard_batch(batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, extra_
             shifted.masked_fill_(keep == 0, ignore_index)
         if cu is not None:  # a document's last token has no target in the next document
             shifted[:, [c - 1 for c in cu[1:]]] = ignore_index
-        shifted_local = shard(shifted, **kw).masked_fill(~real.to(ids.device), ignore_index)
+        shifted_local = shard(shifted, **kw)
+        shifted_local = same_tag(shifted_local.masked_fill(~real.to(ids.device), ignore_index),
+                                 shifted_local)
         local["labels"] = local["shift_labels"] = shifted_local
         local["num_items_in_batch"] = (shifted != ignore_index).sum()
     for key in extra_keys:
@@ -230,3 +234,8 @@ def all_reduce_metrics(metrics: dict, group=None) -> dict:
     flat = flat.cpu().view(len(names), 2)
     return {n: float(flat[i, 0] / flat[i, 1]) if flat[i, 1] != 0 else float("nan")
             for i, n in enumerate(names)}
+
+
+if __name__ == "__main__":  # a library module: name the programs, do not exit 0
+    from ringattn._program import not_a_program
+    not_a_program(__spec__)

@@ -111,6 +111,25 @@ def _device_mesh_type():
     return _DEVICE_MESH
 
 
+def _real(obj):
+    """``obj``, or the object a FakeScriptObject stands for: torch.compile treats a
+    DeviceMesh as an opaque object and hands the code it traces (an op's fake kernel, and
+    the op itself through the key ``group_key`` made while tracing) such a wrapper of it."""
+    try:
+        from torch._library.fake_class_registry import FakeScriptObject
+    except ImportError:  # torch without opaque objects never wraps a mesh
+        return obj
+    return obj.real_obj if isinstance(obj, FakeScriptObject) else obj
+
+
+def _untraced():
+    """A block whose tensor ops run for real even inside a fake kernel or a traced graph
+    (making a process group, exchanging a few ints): torch's own way out of its modes."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
 def resolve_group(group) -> dist.ProcessGroup:
     """Accept a ProcessGroup, a 1-D DeviceMesh, the hybrid's 2-D ("ring", "ulysses")
     DeviceMesh (all of its ranks, row-major) or None (the default group)."""
@@ -121,6 +140,7 @@ def resolve_group(group) -> dist.ProcessGroup:
                 "torch.distributed.init_process_group('gloo') (CPU) or ('nccl') (CUDA) on "
                 "every rank first (under torchrun it reads its environment), or pass group=")
         return dist.group.WORLD
+    group = _real(group)
     if isinstance(group, dist.ProcessGroup):
         return group
     if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
@@ -144,13 +164,27 @@ def is_hybrid_mesh(group) -> bool:
     return mesh_type is not None and isinstance(group, mesh_type) and group.ndim == 2
 
 
+_FLAT: dict[tuple[str, str], tuple] = {}
+"""(ring group, Ulysses group, group of all the mesh's ranks) of every hybrid mesh seen, by
+the names of its two groups: meshes made by ``hybrid_mesh`` are entered when made, others
+on first use (slicing a mesh makes a new object, so the key is its groups, not itself)."""
+
+
 def mesh_groups(mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup]:
     """(all ranks row-major, the ring dimension's group, the Ulysses dimension's group) of
     the hybrid's DeviceMesh.
 
+    The group of all ranks is the group ``hybrid_mesh`` made the mesh over, or the world
+    group for a mesh of every rank; for any other mesh it is made on first use, by the
+    mesh's ranks alone (which all get there, as they all attend). No group is made inside
+    torch.compile's tracing of a mesh that a call has used before or that ``hybrid_mesh``
+    made, and one made there is made outside the tracing.
+
     Raises:
-        ValueError: a mesh that is not 2-D with mesh_dim_names ("ring", "ulysses").
+        ValueError: a mesh that is not 2-D with mesh_dim_names ("ring", "ulysses"), or this
+            rank is not in the mesh.
     """
+    mesh = _real(mesh)
     names = tuple(mesh.mesh_dim_names or ())
     if mesh.ndim != 2 or names != HYBRID_DIMS:
         raise ValueError(
@@ -158,10 +192,24 @@ def mesh_groups(mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup, dist.Proces
             f"mesh_dim_names={HYBRID_DIMS} (ring across, Ulysses within), got one with "
             f"{mesh.ndim} dims {names or None}; for one dimension of it pass mesh[dim_name]"
         )
-    # torch has no public "all ranks of a mesh" group; _flatten makes it once per mesh
-    # (the world group when the mesh covers the world) and is used here and nowhere else
-    return (mesh._flatten().get_group(), mesh["ring"].get_group(),
-            mesh["ulysses"].get_group())
+    if mesh.get_coordinate() is None:
+        with _untraced():
+            members = mesh.mesh.tolist()
+        raise ValueError(f"rank {dist.get_rank()} is not in the hybrid's mesh {members}: "
+                         f"call it only on the mesh's ranks")
+    ring, uly = mesh.get_group("ring"), mesh.get_group("ulysses")
+    known = _FLAT.get((ring.group_name, uly.group_name))
+    if known is None or known[0] is not ring or known[1] is not uly:
+        with _untraced():
+            ranks = sorted(mesh.mesh.flatten().tolist())
+            if ranks == list(range(dist.get_world_size())):
+                flat = dist.group.WORLD
+            else:  # (torch's mesh._flatten() would need every rank of the world)
+                _even_group_counts([uly, ring])
+                flat = dist.new_group(ranks, backend=_backend_like(uly),
+                                      use_local_synchronization=True)
+        known = _FLAT[ring.group_name, uly.group_name] = (ring, uly, flat)
+    return known[2], ring, uly
 
 
 def group_members(pg) -> tuple[int, ...]:
@@ -169,24 +217,94 @@ def group_members(pg) -> tuple[int, ...]:
     return tuple(dist.get_global_rank(pg, r) for r in range(dist.get_world_size(pg)))
 
 
+def _gather_ints(group: dist.ProcessGroup, values: list[int], what: str) -> list[list[int]]:
+    """Every rank's ``values`` (int64s), in group rank order (waits at most
+    ``get_timeout()``)."""
+    world = dist.get_world_size(group)
+    row = torch.tensor(values, dtype=torch.int64, device=metadata_device(group))
+    out = row.new_empty(world * row.numel())
+    all_gather_single(out, row, group, what=what)
+    return out.view(world, -1).tolist()
+
+
+def _group_count() -> int:
+    """How many process groups this process holds (torch names a group made with
+    use_local_synchronization=True after its ranks and this count; it has no public
+    accessor, so its registry is read here and nowhere else)."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    return len(getattr(world, "pg_names", ()))
+
+
+def _even_group_counts(chain) -> None:
+    """Bring every rank spanned by ``chain`` (groups, each gathered in turn: the Ulysses
+    then the ring groups of a mesh span it) to the same ``_group_count()``, padding with
+    one-rank groups: each process counts only the groups it belongs to, and members whose
+    counts differ would give a locally synchronised group different names and wait for
+    each other until the timeout."""
+    count = _group_count()
+    for group in chain:
+        if dist.get_world_size(group) > 1:
+            count = max(r[0] for r in _gather_ints(group, [count], "count of process groups"))
+    _pad_group_count(count)
+
+
+def _pad_group_count(count: int) -> None:
+    while _group_count() < count:
+        dist.new_group([dist.get_rank()], use_local_synchronization=True)
+
+
+def _backend_like(pg: dist.ProcessGroup):
+    """The backend argument that makes new groups like ``pg``'s (None: the default's)."""
+    backend = dist.get_backend(pg)
+    return None if backend == dist.get_backend() else backend
+
+
 def hybrid_mesh(group=None, ulysses: int = 8):
     """The hybrid's DeviceMesh over the ranks of ``group`` (None: the world): consecutive
     runs of ``ulysses`` ranks (one node's, under torchrun with that many processes per
-    node) form the "ulysses" dimension, the "ring" dimension goes across them. Every rank
-    of the group calls it (it makes the mesh's process groups).
+    node) form the "ulysses" dimension, the "ring" dimension goes across them.
+
+    Every rank of the group calls it, with the same ``ulysses``, and no other rank needs
+    to: the mesh's groups are made by the group's ranks alone (``use_local_synchronization``),
+    so two disjoint groups may each make their mesh, while other ranks do something else,
+    and later ``dist.new_group`` calls of the whole job are not put out of step. The mesh
+    is made from those groups (``DeviceMesh.from_group``), with ``group`` as the group of
+    all its ranks (shard order: its group ranks).
 
     Raises:
-        ValueError: ``ulysses`` is not a divisor of the group's size.
+        ValueError: on every rank of the group, ``ulysses`` is not a divisor of the group's
+            size or differs between its ranks; on a rank outside ``group``, that.
+        PeerError: a rank of the group did not make the call within ``get_timeout()``.
     """
     from torch.distributed.device_mesh import DeviceMesh
 
     pg = resolve_group(group)
-    world = dist.get_world_size(pg)
-    if not isinstance(ulysses, int) or isinstance(ulysses, bool) or ulysses < 1 or world % ulysses:
+    world, me = dist.get_world_size(pg), dist.get_rank(pg)
+    ranks = [dist.get_global_rank(pg, r) for r in range(world)]
+    given = ulysses if type(ulysses) is int and -2**62 < ulysses < 2**62 else -1
+    count = _group_count()
+    if world > 1:  # one exchange: the same ulysses everywhere, and the groups' names
+        rows = _gather_ints(pg, [given, count], "hybrid_mesh's check of ulysses")
+        if any(row[0] != rows[0][0] for row in rows):
+            raise ValueError("hybrid_mesh: the group's ranks disagree on ulysses: " + ", ".join(
+                f"rank {ranks[r]} passes {'no int' if row[0] == -1 else row[0]}"
+                for r, row in enumerate(rows)))
+        count = max(row[1] for row in rows)
+    if given < 1 or world % given:
         raise ValueError(f"ulysses must be a divisor of the group's {world} ranks, got {ulysses!r}")
-    ranks = torch.tensor([dist.get_global_rank(pg, r) for r in range(world)])
+    _pad_group_count(count)
+    r, u = divmod(me, given)
+    backend = _backend_like(pg)
+    # every rank makes one group of each dimension, in this order: the counts stay even
+    uly = dist.new_group(ranks[r * given:(r + 1) * given], backend=backend,
+                         use_local_synchronization=True)
+    ring = dist.new_group(ranks[u::given], backend=backend, use_local_synchronization=True)
     device = "cuda" if "nccl" in str(dist.get_backend(pg)) else "cpu"
-    return DeviceMesh(device, ranks.view(world // ulysses, ulysses), mesh_dim_names=HYBRID_DIMS)
+    mesh = DeviceMesh.from_group([ring, uly], device,
+                                 torch.tensor(ranks).view(world // given, given),
+                                 mesh_dim_names=HYBRID_DIMS)
+    _FLAT[ring.group_name, uly.group_name] = (ring, uly, pg)
+    return mesh
 
 
 def group_by_name(name: str) -> dist.ProcessGroup:
@@ -514,6 +632,12 @@ _CALLS: dict[str, int] = {}
 """Agreements this process has made per (control) group: every call's sequence number."""
 
 
+ROW_INTS = 64
+"""Every agreement exchanges rows of this many int64s, whatever call it is for (an
+attention call's row and ``shard``'s differ in their fields, not in their size), so that
+ranks in different kinds of call meet, compare and raise instead of mismatching messages."""
+
+
 def agree(
     group: dist.ProcessGroup,
     fields: dict[str, int],
@@ -521,28 +645,36 @@ def agree(
     describe=lambda name, value: str(value),
     reduce: tuple[str, ...] = (),
     chained: tuple[tuple[str, str, str], ...] = (),
-) -> dict[str, int]:
+    what: str = "an attention call",
+    per_rank: tuple[str, ...] = (),
+) -> dict:
     """Raise the same exception on every rank if any rank failed or the ranks disagree.
 
     One exchange of a small int64 CPU vector (an error flag, the call's sequence number on
-    this group and the ``fields``) with every other rank (point-to-point on the group's
-    ``control_group``: no GPU is waited for, and a rank that never answers within
-    ``get_timeout()`` is named in a ``PeerError``), made before the first ring send, so bad
-    or inconsistent input never leaves a rank waiting for a peer that has already given up.
-    Every rank must pass the same field names; a rank that failed its local checks passes -1
-    for what it could not compute. Only when some rank failed is a second exchange made, of
-    the error messages, so all ranks can name them.
+    this group, which kind of call it is, and the ``fields``; ``ROW_INTS`` long for every
+    kind of call) with every other rank (point-to-point on the group's ``control_group``: no
+    GPU is waited for, and a rank that never answers within ``get_timeout()`` is named in a
+    ``PeerError``), made before the first ring send, so bad or inconsistent input never
+    leaves a rank waiting for a peer that has already given up. A rank that failed its local
+    checks passes -1 for what it could not compute. Only when some rank failed, or ranks
+    make different kinds of call (``what`` names this rank's, e.g. "shard"), is a second
+    exchange made, of the messages, so all ranks can name them.
 
     Fields named in ``reduce`` may differ between ranks; their maximum over the ranks is
-    returned (a dict, the same on every rank). Each ``(own, next, what)`` in ``chained``
-    names two fields that differ between ranks too: rank r's ``own`` must equal rank
-    r - 1's ``next`` (what rank r - 1 computed about rank r), for every r; ``what`` says
-    what differs.
+    returned. Fields named in ``per_rank`` may differ too; their list over the ranks (in
+    group rank order) is returned. Each ``(own, next, what)`` in ``chained`` names two
+    fields that differ between ranks too: rank r's ``own`` must equal rank r - 1's ``next``
+    (what rank r - 1 computed about rank r), for every r; ``what`` says what differs.
+
+    Returns:
+        {name: max over ranks} for ``reduce`` and {name: [value of each rank]} for
+        ``per_rank``: the same dict on every rank.
 
     Raises:
         ValueError or TypeError: the class of the lowest failing rank's error, with every
-            failing rank's message; ValueError naming the field where ranks disagree, or
-            the ranks whose calls are out of step (their sequence numbers differ).
+            failing rank's message; ValueError naming the field where ranks disagree, the
+            ranks whose calls are out of step (their sequence numbers differ) or that make
+            different kinds of call.
         PeerError: a rank did not answer, or an earlier call in this process failed.
     """
     _check_not_failed()
@@ -550,13 +682,18 @@ def agree(
     if world == 1:
         if error is not None:
             raise error
-        return {name: int(fields[name]) for name in reduce}
+        return {**{name: int(fields[name]) for name in reduce},
+                **{name: [int(fields[name])] for name in per_rank}}
     names = list(fields)
+    if len(names) + 3 > ROW_INTS:
+        raise RuntimeError(f"an agreement of {len(names)} fields does not fit ROW_INTS={ROW_INTS}")
     flag = 0 if error is None else (2 if isinstance(error, TypeError) else 1)
+    kind = zlib.crc32(",".join([what, *names]).encode()) & 0x7FFFFFFF  # which call this is
     group = control_group(group)  # CPU tensors: no device sync to read the table
     seq = _CALLS[group.group_name] = _CALLS.get(group.group_name, 0) + 1
-    row = torch.tensor([flag, seq, *(int(fields[n]) for n in names)], dtype=torch.int64)
-    table = _exchange(group, row).tolist()  # [W][2 + fields]: plain ints from here on
+    values = [flag, seq, kind, *(int(fields[n]) for n in names)]
+    row = torch.tensor(values + [0] * (ROW_INTS - len(values)), dtype=torch.int64)
+    table = _exchange(group, row).tolist()  # [W][ROW_INTS]: plain ints from here on
     if any(r[1] != seq for r in table):
         at = _by_value({r: table[r][1] for r in range(world)})
         raise ValueError(
@@ -564,29 +701,46 @@ def agree(
             + ", ".join(f"{_ranks(rs)} {'are' if len(rs) > 1 else 'is'} at call {n}" for n, rs in at)
             + ": every rank must make the same ringattn calls on a group in the same order (a "
               "rank made an extra call or skipped one, or an earlier failure left it behind)")
-    if any(r[0] for r in table):
+    if any(r[2] != kind for r in table):
+        calls: list = [None] * world
+        dist.all_gather_object(calls, what, group=group)
+        said = _by_value(dict(enumerate(calls)))
+        raise ValueError(
+            "ringattn calls out of step on this group: "
+            + ", ".join(f"{_ranks(rs)} {'are' if len(rs) > 1 else 'is'} in {c}" for c, rs in said)
+            + f" (call {seq} on this group): every rank must make the same ringattn calls in "
+              f"the same order (a rank made an extra call or skipped one)")
+    flags = [r[0] for r in table]
+    table = [r[3:3 + len(names)] for r in table]
+    if any(flags):
         messages: list = [None] * world
         dist.all_gather_object(messages, None if error is None else str(error), group=group)
-        failed = [r for r in range(world) if table[r][0] != 0]
-        cls = TypeError if table[failed[0]][0] == 2 else ValueError
+        failed = [r for r in range(world) if flags[r] != 0]
+        cls = TypeError if flags[failed[0]] == 2 else ValueError
         said = _by_value({r: messages[r] for r in failed})
         # this rank's own exception (with the user's traceback, e.g. a mask that raised)
         # is the cause; other ranks have only the message
         raise cls("; ".join(f"{_ranks(rs)}: {msg}" for msg, rs in said)) from error
-    column = {name: [r[i] for r in table] for i, name in enumerate(names, start=2)}
-    per_rank = set(reduce) | {name for pair in chained for name in pair[:2]}
-    if any(r[2:] != table[0][2:] for r in table):  # then find the fields that differ
+    column = {name: [r[i] for r in table] for i, name in enumerate(names)}
+    differs = set(reduce) | set(per_rank) | {name for pair in chained for name in pair[:2]}
+    if any(r != table[0] for r in table):  # then find the fields that differ
         for name in names:
             col = column[name]
-            if name not in per_rank and any(x != col[0] for x in col):
+            if name not in differs and any(x != col[0] for x in col):
                 has = _by_value({r: describe(name, col[r]) for r in range(world)})
                 values = ", ".join(f"{_ranks(rs)} {'have' if len(rs) > 1 else 'has'} {v}"
                                    for v, rs in has)
                 raise ValueError(f"ranks disagree on {name}: {values}")
-    for own, nxt, what in chained:
+    for own, nxt, said in chained:
         pairs = [(r - 1) % world for r in range(world)
                  if column[own][r] != column[nxt][(r - 1) % world]]
         if pairs:
-            raise ValueError("; ".join(f"rank {p} and rank {(p + 1) % world} disagree on {what} "
+            raise ValueError("; ".join(f"rank {p} and rank {(p + 1) % world} disagree on {said} "
                                        f"of rank {(p + 1) % world}" for p in pairs))
-    return {name: max(column[name]) for name in reduce}
+    return {**{name: max(column[name]) for name in reduce},
+            **{name: column[name] for name in per_rank}}
+
+
+if __name__ == "__main__":  # a library module: name the programs, do not exit 0
+    from ringattn._program import not_a_program
+    not_a_program(__spec__)

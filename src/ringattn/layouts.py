@@ -15,8 +15,10 @@ permutation (see ``restore_index``).
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
@@ -33,6 +35,11 @@ __all__ = [
     "LAYOUTS",
     "LAYOUT_NAMES",
     "SHARD_TAG",
+    "ShardTag",
+    "check_tag",
+    "placement_digest",
+    "same_tag",
+    "tag_shard",
     "get_layout",
     "local_positions",
     "restore_index",
@@ -291,11 +298,80 @@ LAYOUT_NAMES = tuple(sorted(LAYOUTS)) + DOCUMENT_LAYOUTS
 """Every layout name, in the order the ranks' agreement numbers them."""
 
 SHARD_TAG = "_ringattn_shard"
-"""Attribute ``ringattn.shard`` sets on its result: (layout name, S, cu_seqlens digest or -2, the
-sequence dim, the tensor's ndim, the group's global ranks in group order), which
-``ring_attention`` compares with its own arguments, so a shard attended with another layout
-(or S, or documents, or over another group, or sharded along another dim) is refused instead
-of computed wrong."""
+"""Attribute ``ringattn.shard`` (and the compat splits) set on their result: a ``ShardTag``,
+which every function that takes a shard compares with its own arguments, so a shard attended
+or gathered with another placement (or S, or documents, or over another group, or sharded
+along another dim) is refused instead of computed wrong."""
+
+
+class ShardTag(NamedTuple):
+    """What a shard remembers of how it was made."""
+
+    layout: str
+    """The layout's name (for messages; placements are compared, not names)."""
+    seqlen: int
+    cu_seqlens: int
+    """A digest of the documents' offsets, or -2 for none."""
+    dim: int
+    ndim: int
+    members: tuple[int, ...]
+    """The group's global ranks in group order."""
+    placement: int
+    """``placement_digest`` of the real tokens this rank's shard holds."""
+
+
+@lru_cache(maxsize=512)
+def placement_digest(layout: "Layout", rank: int, world: int, seqlen: int) -> int:
+    """A digest of the global positions of the real (non-padding) tokens that ``rank``'s
+    shard holds under ``layout``, in slot order: equal digests mean the same tokens in the
+    same places, whatever the layouts are called."""
+    pos = _positions(layout, rank, world, seqlen)
+    return zlib.crc32(pos[pos < seqlen].numpy().tobytes()) & 0x7FFFFFFF
+
+
+def tag_shard(t: torch.Tensor, layout: "Layout", seqlen: int, cu_digest: int, dim: int,
+              members: tuple[int, ...], rank: int) -> torch.Tensor:
+    """Set ``t``'s ``ShardTag``: it is group rank ``rank``'s shard of a tensor of S=``seqlen``
+    along ``dim``, placed by ``layout`` over ``members``; returns ``t``."""
+    setattr(t, SHARD_TAG, ShardTag(layout.name, seqlen, cu_digest, dim, t.dim(), tuple(members),
+                                   placement_digest(layout, rank, len(members), seqlen)))
+    return t
+
+
+def same_tag(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` with ``like``'s shard tag (``t`` holds the same slots: an elementwise op of it);
+    returns ``t``."""
+    tag = getattr(like, SHARD_TAG, None)
+    if tag is not None:
+        setattr(t, SHARD_TAG, tag._replace(ndim=t.dim()))
+    return t
+
+
+def check_tag(name: str, t, layout: "Layout", seqlen: int, cu_digest: int, rank: int,
+              world: int, used_by: str) -> None:
+    """Refuse a shard made with another placement, S or documents than ``used_by`` (e.g.
+    "attended", "gathered") uses: ``layout`` over ``world`` ranks, this being ``rank``.
+
+    Raises:
+        ValueError: naming what differs.
+    """
+    tag = getattr(t, SHARD_TAG, None)
+    if tag is None:
+        return
+    if tag.seqlen != seqlen:
+        raise ValueError(f"{name} was sharded with seqlen={tag.seqlen} but is {used_by} with "
+                         f"seqlen={seqlen}: pass the same seqlen (the global S) to both")
+    if tag.cu_seqlens != cu_digest:
+        def said(digest):
+            return "no cu_seqlens" if digest == -2 else f"cu_seqlens (digest {digest})"
+        raise ValueError(f"{name} was sharded with {said(tag.cu_seqlens)} but is {used_by} with "
+                         f"{said(cu_digest)}: pass the same cu_seqlens (packed documents) to both")
+    if tag.placement != placement_digest(layout, rank, world, seqlen):
+        same = " (the same name, another placement of tokens)" if tag.layout == layout.name else ""
+        raise ValueError(
+            f"{name} was sharded with layout {tag.layout!r} but is {used_by} with layout "
+            f"{layout.name!r}{same}: rank {rank}'s shard holds other tokens under it; pass the "
+            f"layout it was made with")
 
 
 DEFAULT_LAYOUT = "zigzag"
@@ -351,3 +427,8 @@ def restore_index(layout: str | Layout, world: int, seqlen: int) -> torch.Tensor
     tensor (length S_pad); its first ``seqlen`` entries are the real tokens.
     """
     return _restore(get_layout(layout), world, seqlen).clone()
+
+
+if __name__ == "__main__":  # a library module: name the programs, do not exit 0
+    from ringattn._program import not_a_program
+    not_a_program(__spec__)

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from .comm import agree, collective, group_members, resolve_group
-from .layouts import DEFAULT_LAYOUT, SHARD_TAG, LAYOUT_NAMES, get_layout, local_positions, restore_index
+from .layouts import (DEFAULT_LAYOUT, LAYOUT_NAMES, SHARD_TAG, check_tag, get_layout,
+                      local_positions, restore_index, tag_shard)
 from .masks import check_cu_seqlens
 
 __all__ = ["shard", "unshard", "positions"]
@@ -56,10 +57,8 @@ class _Shard(torch.autograd.Function):
         return _take_local(x, layout, rank, world, seqlen, dim)
 
     @staticmethod
-    def backward(ctx, grad):
-        layout, group, seqlen, dim = ctx.args
-        world = dist.get_world_size(group)
-        return _gather_global(grad, layout, group, world, seqlen, dim), None, None, None, None
+    def backward(ctx, grad):  # differentiable again: unshard's backward is shard's forward
+        return _Unshard.apply(grad, *ctx.args), None, None, None, None
 
 
 class _Unshard(torch.autograd.Function):
@@ -70,9 +69,7 @@ class _Unshard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        layout, group, seqlen, dim = ctx.args
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        return _take_local(grad, layout, rank, world, seqlen, dim), None, None, None, None
+        return _Shard.apply(grad, *ctx.args), None, None, None, None
 
 
 def _normalize_dim(x, dim, what):
@@ -97,13 +94,33 @@ def _check(x, dim, layout, seqlen, group, what, local, cu_seqlens):
     world = dist.get_world_size(pg)
     error = None
     fields = {"dim": -1, "ndim": -1, "layout": -1, "seqlen": -1, "cu_seqlens": -1}
+    lay = None
     try:
         dim = _normalize_dim(x, dim, what)
+        if x.device.type == "meta":
+            raise ValueError(f"{what} takes a tensor with data, got one on the meta device "
+                             f"(shape {tuple(x.shape)}): materialise it first (e.g. "
+                             f"torch.empty_like(x, device='cpu'))")
+        tag = getattr(x, SHARD_TAG, None) if local else None
+        if tag is not None:
+            if tag.members != group_members(pg):
+                raise ValueError(
+                    f"{what}: the tensor was sharded over the ranks {list(tag.members)} but is "
+                    f"gathered over the group of ranks {list(group_members(pg))}: pass the "
+                    f"group it was sharded over")
+            if tag.dim != dim or tag.ndim != x.dim():
+                raise ValueError(f"{what}: the tensor was sharded along dim {tag.dim} of a "
+                                 f"{tag.ndim}-D tensor, not dim {dim} of this {x.dim()}-D one")
+            if seqlen is None and cu_seqlens is None:
+                seqlen = tag.seqlen  # the shard's own S: right even when S was padded
         lay, seqlen, cu_digest = _layout(layout, seqlen, cu_seqlens)
         if seqlen is None:
             seqlen = x.shape[dim] * world if local else x.shape[dim]
         if not isinstance(seqlen, int) or isinstance(seqlen, bool) or seqlen < 1:
             raise ValueError(f"seqlen must be an int >= 1, got {seqlen!r}")
+        if tag is not None:  # before the length: the tag says why it differs
+            check_tag("the tensor", x, lay, seqlen, cu_digest, dist.get_rank(pg), world,
+                      f"gathered by {what}")
         n = x.shape[dim]
         if local and n != lay.local_len(seqlen, world):
             raise ValueError(
@@ -116,7 +133,7 @@ def _check(x, dim, layout, seqlen, group, what, local, cu_seqlens):
                   "seqlen": seqlen, "cu_seqlens": cu_digest}
     except (TypeError, ValueError) as exc:  # reported on every rank by agree()
         error = exc
-    agree(pg, fields, error)
+    agree(pg, fields, error, what=what)
     return pg, lay, seqlen, dim, fields["cu_seqlens"]
 
 
@@ -147,8 +164,7 @@ def shard(x: torch.Tensor, *, group=None, layout: str = DEFAULT_LAYOUT, dim: int
     pg, lay, seqlen, dim, cu_digest = _check(x, dim, layout, seqlen, group, "shard", False,
                                              cu_seqlens)
     out = _Shard.apply(x, lay, pg, seqlen, dim)
-    setattr(out, SHARD_TAG, (lay.name, seqlen, cu_digest, dim, x.dim(), group_members(pg)))
-    return out
+    return tag_shard(out, lay, seqlen, cu_digest, dim, group_members(pg), dist.get_rank(pg))
 
 
 def unshard(x: torch.Tensor, *, group=None, layout: str = DEFAULT_LAYOUT, dim: int = 1,
@@ -158,14 +174,15 @@ def unshard(x: torch.Tensor, *, group=None, layout: str = DEFAULT_LAYOUT, dim: i
     Arguments:
         x: this rank's shard, ``layout.local_len(S, W)`` long on ``dim``.
         group, layout, dim, cu_seqlens: as for ``shard``.
-        seqlen: the global S; defaults to cu_seqlens[-1], else W * x.shape[dim] (only
-            right when S was not padded).
+        seqlen: the global S; defaults to cu_seqlens[-1], else the S a tensor made by
+            ``shard`` remembers, else W * x.shape[dim] (only right when S was not padded).
 
     Returns:
         The global tensor, ``seqlen`` long on ``dim``, on every rank.
 
     Raises:
-        TypeError, ValueError: bad input or ranks that disagree, on every rank.
+        TypeError, ValueError: bad input or ranks that disagree, on every rank; a tensor
+            made by ``shard`` with another layout (placement), S, documents, dim or group.
     """
     pg, lay, seqlen, dim, _ = _check(x, dim, layout, seqlen, group, "unshard", True, cu_seqlens)
     return _Unshard.apply(x, lay, pg, seqlen, dim)
@@ -200,3 +217,8 @@ def positions(seqlen: int, *, group=None, layout: str = DEFAULT_LAYOUT, cu_seqle
     doc = torch.searchsorted(starts, pos.clamp(max=seqlen - 1), right=True) - 1
     in_doc = torch.where(real, pos - starts[doc], torch.zeros_like(pos))
     return (pos, in_doc) if device is None else (pos.to(device), in_doc.to(device))
+
+
+if __name__ == "__main__":  # a library module: name the programs, do not exit 0
+    from ringattn._program import not_a_program
+    not_a_program(__spec__)

@@ -16,6 +16,9 @@ Legend: B batch, L local seq (S_pad / W), S global seq, H heads, Hkv kv heads, D
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import math
 import struct
 import zlib
@@ -24,16 +27,17 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from .comm import (HYBRID_DIMS, RingComm, agree, caller_site, group_by_name, group_members,
+from .comm import (HYBRID_DIMS, RingComm, agree, caller_site, control_group, group_by_name, group_members,
                    is_hybrid_mesh, resolve_group, site_digest)
 from .kernels import available_kernels, get_kernel
-from .layouts import LAYOUT_NAMES, SHARD_TAG, Layout, get_layout
+from .layouts import LAYOUT_NAMES, SHARD_TAG, Layout, check_tag, get_layout
 from .masks import (Mask, check_cu_seqlens, document, fingerprint, head_offset,
                     registered_mask, sliding_window, value_digest)
 from .plan import Plan, make_plan, view_digest
 from .spec import BACKWARD_OVERLAP, AttnSpec
 
 __all__ = ["Checked", "FIELD_NAMES", "STRATEGY_CHOICES", "STRATEGY_NAMES", "agreed",
+           "caller_error", "differentiable_once",
            "autocast_inputs", "check_local", "check_strategy", "effective_mask", "heads_plan",
            "no_autocast", "op_call_args", "op_tensors", "optional_tensor", "unit_stride"]
 
@@ -101,33 +105,13 @@ def _dtensor_type():
 _DTENSOR = _dtensor_type()
 
 
-def _check_shard_tag(name, t, layout_name, seqlen, cu_digest):
-    """A tensor made by ``ringattn.shard`` must be attended with the layout, S and documents
-    it was sharded with."""
-    tag = getattr(t, SHARD_TAG, None)
-    if tag is None:
-        return
-    made_layout, made_seqlen, made_cu = tag[:3]
-    made = {"layout": made_layout, "seqlen": made_seqlen, "cu_seqlens": made_cu}
-    used = {"layout": layout_name, "seqlen": seqlen, "cu_seqlens": cu_digest}
-    for key in made:
-        if made[key] != used[key]:
-            what = {"layout": repr, "seqlen": str,
-                    "cu_seqlens": lambda x: "none" if x == -2 else f"digest {x}"}[key]
-            raise ValueError(
-                f"{name} was sharded by ringattn.shard with {key}={what(made[key])} but is "
-                f"attended with {key}={what(used[key])}; pass the same layout, seqlen and "
-                f"cu_seqlens to shard and ring_attention"
-            )
-
-
 def _check_shard_origin(name, t, pg):
     """A tensor made by ``ringattn.shard`` was sharded along dim 1 of [B, S_local, H, D]
     and over the ranks of the group it is attended over (checked before its length)."""
     tag = getattr(t, SHARD_TAG, None)
     if tag is None:
         return
-    dim, ndim, members = tag[3:]
+    dim, ndim, members = tag.dim, tag.ndim, tag.members
     if ndim == 4 and dim != 1:
         raise ValueError(
             f"{name} was sharded by ringattn.shard along dim {dim}, but attention takes "
@@ -239,14 +223,25 @@ def check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seqle
         cu = check_cu_seqlens(cu_seqlens, seqlen)
         seqlen = cu[-1] if seqlen is None else seqlen
     lay = get_layout(layout, cu)
-    if seqlen is None:
-        seqlen = n * world
+    given = seqlen is not None
+    if seqlen is None:  # a shard's own S (ringattn.shard remembers it), else W x S_local
+        tag = getattr(q, SHARD_TAG, None)
+        seqlen = n * world if tag is None else tag.seqlen
     if not isinstance(seqlen, int) or isinstance(seqlen, bool) or seqlen < 1:
         raise ValueError(f"seqlen must be an int >= 1, got {seqlen!r}")
+    cu_digest = -2 if cu is None else zlib.crc32(repr(cu).encode()) & 0x7FFFFFFF
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        tag = getattr(t, SHARD_TAG, None)
+        if tag is not None:  # its members are the group's (_check_shard_origin)
+            check_tag(name, t, lay, seqlen, cu_digest, tag.members.index(dist.get_rank()),
+                      len(tag.members), "attended")
     expected = lay.local_len(seqlen, world)
     if expected != n:
+        said = (f"seqlen={seqlen}" if given else
+                f"seqlen not given (taken as W x S_local = {world} x {n} = {seqlen}; pass "
+                f"seqlen=, the global S, when the shards are padded)")
         raise ValueError(
-            f"seqlen={seqlen} with layout {lay.name!r} on {world} ranks gives shards of "
+            f"{said} with layout {lay.name!r} on {world} ranks gives shards of "
             f"{expected} tokens, but q has S_local={n} on dim 1 of [B, S_local, H, D] (use "
             f"ringattn.shard to make shards; SDPA-layout [B, H, S, D] tensors need "
             f".transpose(1, 2))"
@@ -261,9 +256,6 @@ def check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seqle
         causal=causal, window_size=tuple(window_size), softmax_scale=softmax_scale,
         seqlen=seqlen, layout=lay.name, softcap=softcap, alibi_slopes=slopes,
     )
-    cu_digest = -2 if cu is None else zlib.crc32(repr(cu).encode()) & 0x7FFFFFFF
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_shard_tag(name, t, lay.name, seqlen, cu_digest)
     full_mask = effective_mask(spec, mask, cu)
     general = full_mask.band is None
     needs = frozenset(({"softcap"} if spec.softcap else set())
@@ -368,6 +360,49 @@ def heads_plan(checked: Checked, lo: int, hi: int, layout: Layout, world: int, r
     return spec, plan
 
 
+DOUBLE_BACKWARD = (
+    "ringattn's attention is differentiable once: its backward (the ring's, Ulysses', "
+    "all-gather's) has no backward of its own, so a gradient of its gradient (double "
+    "backward, e.g. a gradient penalty through attention) cannot be computed; the first "
+    "gradients taken with create_graph=True are exact")
+
+
+class _RefuseTwice(torch.autograd.Function):
+    """A gradient computed without a graph, passed through so that differentiating it
+    raises ``DOUBLE_BACKWARD`` instead of silently treating it as a constant."""
+
+    @staticmethod
+    def forward(ctx, grad, *incoming):
+        return grad.view_as(grad)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise ValueError(DOUBLE_BACKWARD)
+
+
+def differentiable_once(backward):
+    """Decorate an autograd Function's ``backward`` whose gradients are not differentiable
+    (they come from collectives and fused kernels): under ``create_graph=True`` it runs
+    without a graph, exact, and its gradients refuse a second differentiation by name, on
+    every rank alike (each rank refuses before any communication of its own)."""
+
+    @functools.wraps(backward)
+    def wrapped(ctx, *grads):
+        if not torch.is_grad_enabled():  # the usual backward: nothing to do
+            return backward(ctx, *grads)
+        with torch.no_grad():
+            result = backward(ctx, *grads)
+        # the gradients depend on the incoming gradients and on the saved inputs
+        incoming = [t for t in (*grads, *getattr(ctx, "saved_tensors", ()))
+                    if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not incoming:
+            return result
+        return tuple(_RefuseTwice.apply(g, *incoming) if isinstance(g, torch.Tensor) else g
+                     for g in result)
+
+    return wrapped
+
+
 def autocast_inputs(q, k, v):
     """q, k, v in the autocast dtype when autocast is on for their device (as SDPA does:
     attention is one of autocast's lower-precision ops), else as they are."""
@@ -395,6 +430,24 @@ def unit_stride(*tensors):
 
 
 
+_CALLER_ERROR: contextvars.ContextVar = contextvars.ContextVar("ringattn_caller_error",
+                                                               default=None)
+
+
+@contextlib.contextmanager
+def caller_error(error: Exception | None):
+    """Inside this block, the next ringattn call's agreement reports ``error`` (a
+    TypeError/ValueError that a wrapper found in its own arguments on this rank, or None)
+    on every rank, as if that call's own checks had raised it: a wrapper's checks (the
+    compat layers' ``dropout_p``, a shard's tag) never raise on some ranks alone while the
+    others wait in a collective."""
+    token = _CALLER_ERROR.set(error)
+    try:
+        yield
+    finally:
+        _CALLER_ERROR.reset(token)
+
+
 def agreed(q, k, v, group, extra_fields, extra_check, *, plan_ring=False, planner=None,
             region=None, backward_overlap="all", strategy="ring", **args):
     """Validate this rank's call (planning its ring with ``plan_ring``, or with
@@ -417,6 +470,9 @@ def agreed(q, k, v, group, extra_fields, extra_check, *, plan_ring=False, planne
     error, fields, checked = None, dict.fromkeys(FIELD_NAMES + tuple(extra_fields), -1), None
     site = caller_site()
     try:
+        pending = _CALLER_ERROR.get()
+        if pending is not None:  # a wrapper's own check failed on this rank
+            raise pending
         # first: a caller's own inputs get its own messages (Eagle3's key sets); it must
         # raise only TypeError/ValueError whatever q, k, v are
         extra = () if extra_check is None else tuple(extra_check())
@@ -462,8 +518,56 @@ def agreed(q, k, v, group, extra_fields, extra_check, *, plan_ring=False, planne
     except ValueError as exc:  # the same message everywhere; each rank adds its own site
         if "disagree on caller" in str(exc):
             exc.add_note(f"rank {dist.get_rank()} made this call from {site}")
+        if str(exc).startswith("ranks disagree on cu_seqlens"):  # every rank is here
+            raise ValueError(_documents_differ(pg, args["cu_seqlens"])) from exc
+        hint = _DISAGREEMENT_HINTS.get(str(exc).partition(":")[0].removeprefix("ranks disagree on "))
+        if hint is not None:
+            raise ValueError(f"{exc} ({hint})") from exc
         raise
     return pg, comm, checked, last
+
+
+_DISAGREEMENT_HINTS = {
+    "local_len": "every rank's shard of one sequence has the same number of slots: a split "
+                 "whose pieces differ in length (S not a multiple of W, or 2W for zigzag) "
+                 "needs the shards ringattn.shard makes, which pad, and seqlen= the global S",
+    "heads": "a tensor in SDPA's [B, H, S, D] layout is read as [B, S_local, H, D] when its H "
+             "and S_local are swapped on some rank: transpose(1, 2) first",
+    "kv_heads": "a tensor in SDPA's [B, H, S, D] layout is read as [B, S_local, H, D] when its "
+                "H and S_local are swapped on some rank: transpose(1, 2) first",
+}
+"""What most likely makes ranks disagree on a field, added to the agreement's message."""
+
+
+def _documents_differ(pg, cu_seqlens) -> str:
+    """The message for ranks that passed different cu_seqlens, naming the first offset where
+    they differ (one more exchange, of the offsets, made by every rank of the call)."""
+    try:
+        mine = None if cu_seqlens is None else list(check_cu_seqlens(cu_seqlens, None))
+    except (TypeError, ValueError):
+        mine = None
+    world = dist.get_world_size(pg)
+    every: list = [None] * world
+    dist.all_gather_object(every, mine, group=control_group(pg))
+    groups: dict = {}
+    for r, cu in enumerate(every):
+        groups.setdefault(None if cu is None else tuple(cu), []).append(r)
+    (first, at_first), (other, at_other) = list(groups.items())[:2]
+
+    def ranks(rs):
+        return (f"rank {rs[0]} passes" if len(rs) == 1
+                else "ranks " + ", ".join(map(str, rs)) + " pass")
+
+    if first is None or other is None:
+        def shown(cu):
+            return "none" if cu is None else str(list(cu[:8]))[:-1] + (", ...]" if len(cu) > 8 else "]")
+        return (f"ranks disagree on cu_seqlens: {ranks(at_first)} {shown(first)}, "
+                f"{ranks(at_other)} {shown(other)}")
+    i = next((i for i, (a, b) in enumerate(zip(first, other)) if a != b),
+             min(len(first), len(other)))
+    at = [c[i] if i < len(c) else f"nothing (only {len(c)} offsets)" for c in (first, other)]
+    return (f"ranks disagree on cu_seqlens: at offset {i} {ranks(at_first)} {at[0]}, "
+            f"{ranks(at_other)} {at[1]} (every rank passes the same global document offsets)")
 
 
 
@@ -500,3 +604,8 @@ def op_tensors(kernel, cu_seqlens, alibi_slopes):
               else torch.as_tensor(alibi_slopes, dtype=torch.float64))
     return cu, slopes
 
+
+
+if __name__ == "__main__":  # a library module: name the programs, do not exit 0
+    from ringattn._program import not_a_program
+    not_a_program(__spec__)

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import ringattn as ra
 import ringattn.compat.yunchang as yc
 from reference import FP32_TOL, reference, rel_err, visible
 
@@ -194,6 +195,16 @@ def run_refusals():
         # one rank's shard one token short: not the zigzag split of any S
         lambda: attn(*[t[:, 1:] if rank == 3 else t for t in split]),
         lambda: yc.EXTRACT_FUNC_DICT["zigzag"](q[:, :22], rank, world, rd=2, ud=2),
+        # the same, with seqlen given (no length exchange: the attention's agreement says it)
+        lambda: attn(*split, dropout_p=0.1 if rank == 0 else 0.0, seqlen=24),
+        # shards of one split given to a module of another: placements differ
+        lambda: yc.LongContextAttention(ring_impl_type="basic")(*split),
+        lambda: yc.LongContextAttention(ring_impl_type="basic")(*split, seqlen=24),
+        lambda: yc.LongContextAttention(ring_impl_type="strip")(*split),
+        # ringattn's own zigzag/striped shards: the same names, other placements on 2 x 2
+        lambda: attn(*(ra.shard(t, layout="zigzag") for t in (q, k, v))),
+        lambda: yc.LongContextAttention(ring_impl_type="strip")(
+            *(ra.shard(t, layout="striped") for t in (q, k, v)), seqlen=24),
     ]
     for call in calls:
         try:
@@ -209,10 +220,14 @@ def run_refusals():
 def test_refusals_on_every_rank(clusters):
     per_rank = clusters(4).run(run_refusals, timeout=100)
     wanted = ["unknown ring_impl_type 'ring'", "attn_processor=Identity", "scatter_idx=2",
-              "dropout_p=0.1", "refused this call", "not the 'zigzag' split",
-              "must be a multiple of 4"]
+              "dropout_p=0.1", "rank 0: dropout_p=0.1", "not the 'zigzag' split",
+              "must be a multiple of 4", "rank 0: dropout_p=0.1",
+              "sharded with layout 'zigzag' but is attended by this module with layout "
+              "'contiguous'", "sharded with layout 'zigzag' but is attended by this module with layout "
+              "'contiguous'",
+              "layout 'zigzag' but is attended by this module with layout 'striped'",
+              "the same name, another placement", "the same name, another placement"]
     for rank, messages in enumerate(per_rank):
+        assert len(messages) == len(wanted)
         for i, (msg, part) in enumerate(zip(messages, wanted)):
-            if i == 4 and rank == 0:
-                part = "dropout_p=0.1"
             assert msg is not None and part in msg, f"rank {rank} call {i}: {msg!r}"

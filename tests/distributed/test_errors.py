@@ -79,7 +79,7 @@ ROWS = [  # (id, edit(args, rank), exception, words)
     ("alibi-wrong-shape", _everywhere(_set(alibi_slopes=[0.5] * 3)), ValueError, "alibi_slopes must have shape"),
     ("alibi-on-one-rank", _on_rank(1, _set(alibi_slopes=[0.5] * 4)), ValueError, "alibi_slopes"),
     ("dtensor-input", _everywhere(lambda a: a.update(q=_dtensor(a["q"]))), TypeError, ".to_local()"),
-    ("layout-differs-from-shard", _everywhere(lambda a: a.update(q=_tagged(a["q"], "striped"))), ValueError, "sharded by ringattn.shard with layout='striped'"),
+    ("layout-differs-from-shard", _everywhere(lambda a: a.update(q=_tagged(a["q"], "striped"))), ValueError, "sharded with layout 'striped' but is attended with layout 'zigzag'"),
     ("batch-differs-on-rank2", _on_rank(2, lambda a: a.update(q=a["q"].repeat(2, 1, 1, 1), k=a["k"].repeat(2, 1, 1, 1), v=a["v"].repeat(2, 1, 1, 1))),
      ValueError, "ranks disagree on batch: ranks 0, 1 have 1, rank 2 has 2"),
     ("causal-differs", _on_rank(1, _set(causal=False)), ValueError, "ranks disagree on causal"),
@@ -104,7 +104,21 @@ ROWS = [  # (id, edit(args, rank), exception, words)
     ("cu-not-ending-at-S", _everywhere(_set(cu_seqlens=[0, 5, 10])), ValueError, "must end at S=12"),
     ("cu-float", _everywhere(_set(cu_seqlens=torch.tensor([0.0, 12.0]))), TypeError, "integer tensor"),
     ("cu-differs-on-rank2", _on_rank(2, _set(cu_seqlens=[0, 6, 12])), ValueError,
-     "ranks disagree on cu_seqlens: ranks 0, 1 have none, rank 2 has cu_seqlens with digest"),
+     "ranks disagree on cu_seqlens: ranks 0, 1 pass none, rank 2 passes [0, 6, 12]"),
+    ("cu-offset-differs-on-rank1",
+     lambda a, rank: a.update(cu_seqlens=[0, 5 if rank == 1 else 6, 9, 12]), ValueError,
+     "ranks disagree on cu_seqlens: at offset 1 ranks 0, 2 pass 6, rank 1 passes 5"),
+    # one rank's q in SDPA's [B, H, S, D] layout whose H (4) equals S_local: heads differ
+    ("sdpa-layout-on-rank1", _on_rank(1, lambda a: a.update(q=a["q"][:, :, :2])), ValueError,
+     "ranks disagree on heads: ranks 0, 2 have 4, rank 1 has 2 (a tensor in SDPA's "
+     "[B, H, S, D] layout"),
+    # a split whose pieces differ in length (not ringattn.shard's)
+    ("local-len-differs", lambda a, rank: a.update(
+        **({n: a[n][:, :2] for n in "qkv"} if rank == 0 else {}), seqlen=None),
+     ValueError, "needs the shards ringattn.shard makes, which pad"),
+    ("seqlen-not-given", _everywhere(lambda a: a.update(**{n: a[n][:, :3] for n in "qkv"},
+                                                        seqlen=None)),
+     ValueError, "seqlen not given (taken as W x S_local = 3 x 3 = 9"),
 ]
 
 

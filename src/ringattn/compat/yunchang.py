@@ -31,8 +31,9 @@ import torch.distributed as dist
 
 from ..strategies.hybrid import hybrid_attention
 from ..strategies.ulysses import ulysses_attention
-from ..comm import HYBRID_DIMS, all_gather_single, all_to_all_single, control_group, mesh_groups
-from ..layouts import Contiguous, Layout, Segment, Striped, Zigzag
+from ..validate import caller_error
+from ..comm import HYBRID_DIMS, agree, all_to_all_single, group_members, mesh_groups
+from ..layouts import SHARD_TAG, Contiguous, Layout, Segment, Striped, Zigzag, check_tag, tag_shard
 
 __all__ = [
     "AttnType",
@@ -254,6 +255,19 @@ def _groups_degrees(rd: int, ud: int, what: str) -> None:
                          f"of {dist.get_world_size(PROCESS_GROUP.ULYSSES_PG)} ranks")
 
 
+def _tagged(out: torch.Tensor, layout: Layout, shard: int, world: int, seqlen: int):
+    """``out`` with a shard tag (as ``ringattn.shard`` sets): ringattn then refuses it when it
+    is attended or gathered with another placement. Tagged when the split's ranks are the
+    world's or the sequence-parallel mesh's (the groups it can be attended over)."""
+    groups = [dist.group.WORLD]
+    if PROCESS_GROUP.MESH is not None:
+        groups.insert(0, mesh_groups(PROCESS_GROUP.MESH)[0])
+    for pg in groups:
+        if dist.get_world_size(pg) == world:
+            return tag_shard(out, layout, seqlen, -2, 1, group_members(pg), shard)
+    return out
+
+
 def basic_extract_local(value: torch.Tensor, rank: int, world_size: int, *args, **kwargs):
     """yunchang's "basic" split: ``value.chunk(world_size, dim=1)[rank]``, detached (the
     last rank is short when S does not divide world_size).
@@ -266,7 +280,7 @@ def basic_extract_local(value: torch.Tensor, rank: int, world_size: int, *args, 
         raise ValueError(f"S={value.shape[1]} cut into chunks of "
                          f"{-(-value.shape[1] // world_size)} gives {len(pieces)} pieces, not "
                          f"one per rank of {world_size}")
-    return pieces[rank].detach().clone()
+    return _tagged(pieces[rank].detach().clone(), Contiguous(), rank, world_size, value.shape[1])
 
 
 def stripe_extract_local(value: torch.Tensor, rank: int, world_size: int, rd: int, ud: int,
@@ -279,7 +293,8 @@ def stripe_extract_local(value: torch.Tensor, rank: int, world_size: int, rd: in
     """
     _groups_degrees(rd, ud, "stripe_extract_local")
     lay = _placement("strip", rd, ud, True)
-    return _take(value, lay, rank, world_size, "stripe_extract_local")
+    return _tagged(_take(value, lay, rank, world_size, "stripe_extract_local"), lay, rank,
+                   world_size, value.shape[1])
 
 
 def zigzag_extract_local(value: torch.Tensor, rank: int, world_size: int, rd: int, ud: int,
@@ -297,7 +312,8 @@ def zigzag_extract_local(value: torch.Tensor, rank: int, world_size: int, rd: in
     lay = _placement("zigzag", rd, ud, PROCESS_GROUP.USE_ULYSSES_LOW)
     r, u = dist.get_rank(PROCESS_GROUP.RING_PG), dist.get_rank(PROCESS_GROUP.ULYSSES_PG)
     shard = r * ud + u if PROCESS_GROUP.USE_ULYSSES_LOW or ud == 1 or rd == 1 else u * rd + r
-    return _take(value, lay, shard, world_size, "zigzag_extract_local")
+    return _tagged(_take(value, lay, shard, world_size, "zigzag_extract_local"), lay, shard,
+                   world_size, value.shape[1])
 
 
 EXTRACT_FUNC_DICT = {
@@ -386,26 +402,15 @@ def _attn_type(attn_type) -> AttnType:
     return AttnType.from_string(value)
 
 
-def _agreed_length(q, k, v, pg, layout: Layout, local_error: str | None) -> int:
-    """S from every rank's local length (one small all-gather of [L, error] on a CPU group),
-    checked against ``layout`` over the group's W ranks; the same ValueError on every rank
-    when a rank failed its local checks or the lengths do not form the layout's shards."""
+def _agreed_length(q, pg, layout: Layout, local_error: Exception | None) -> int:
+    """S, the sum of every rank's local length, agreed by every rank in one small exchange
+    and checked against ``layout`` over the group's W ranks; the same error on every rank
+    when a rank failed its local checks (``local_error``) or the lengths do not form the
+    layout's shards."""
     world, me = dist.get_world_size(pg), dist.get_rank(pg)
     n = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else -1
-    row = torch.tensor([n, int(local_error is not None)], dtype=torch.int64)
-    table = row.new_empty(world, 2)
-    if world > 1:
-        all_gather_single(table.view(-1), row, control_group(pg),
-                          what="the local lengths' all-gather")
-    else:
-        table[0] = row
-    failed = table[:, 1].nonzero().flatten().tolist()
-    if failed:
-        if local_error is not None:
-            raise ValueError(local_error)
-        raise ValueError(f"rank(s) {failed} of the sequence-parallel group refused this call "
-                         f"(their error names why)")
-    lengths = table[:, 0].tolist()
+    lengths = agree(pg, {"local_len": n}, local_error, what="yunchang's local lengths",
+                    per_rank=("local_len",))["local_len"]
     s = sum(lengths)
     padded, local = layout.padded_len(s, world), layout.local_len(s, world)
     if isinstance(layout, Contiguous):
@@ -433,14 +438,27 @@ def _padded_call(fn, q, k, v, s: int, layout: Layout, world: int, **kwargs) -> t
     return out[:, :n] if n < local else out
 
 
-def _local_error(q, k, v, dropout_p) -> str | None:
+def _local_error(q, k, v, dropout_p, layout: Layout, pg, seqlen) -> Exception | None:
+    """This rank's own problem with the call (reported on every rank by the agreement)."""
     if any(not isinstance(t, torch.Tensor) for t in (q, k, v)):
-        return "query, key and value must be torch.Tensors"
+        return TypeError("query, key and value must be torch.Tensors")
     if q.dim() != 4:
-        return f"query must be [B, L, H, D], got shape {tuple(q.shape)}"
+        return ValueError(f"query must be [B, L, H, D], got shape {tuple(q.shape)}")
     if dropout_p != 0:
-        return (f"dropout_p={dropout_p}: attention dropout is not supported (ringattn is "
-                f"exact attention); pass 0")
+        return ValueError(f"dropout_p={dropout_p}: attention dropout is not supported "
+                          f"(ringattn is exact attention); pass 0")
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        tag = getattr(t, SHARD_TAG, None)
+        if tag is None:
+            continue
+        if tag.members != group_members(pg):
+            return ValueError(f"{name} was sharded over the ranks {list(tag.members)} but is "
+                              f"attended over the ranks {list(group_members(pg))}")
+        try:  # S: the shard's own when the call does not say (checked by the agreement)
+            check_tag(name, t, layout, tag.seqlen if seqlen is None else seqlen, -2,
+                      dist.get_rank(pg), dist.get_world_size(pg), "attended by this module")
+        except ValueError as exc:
+            return exc
     return None
 
 
@@ -449,17 +467,14 @@ class _Attention(torch.nn.Module):
 
     def _attend(self, fn, group, lengths_pg, layout, query, key, value, dropout_p,
                 softmax_scale, causal, window_size, softcap, alibi_slopes, seqlen):
-        error = _local_error(query, key, value, dropout_p)
+        error = _local_error(query, key, value, dropout_p, layout, lengths_pg, seqlen)
         if seqlen is None:
-            s = _agreed_length(query, key, value, lengths_pg, layout, error)
-        elif error is not None:  # the attention's agreement reports it on every rank
-            raise ValueError(error)
-        else:
-            s = seqlen
-        return _padded_call(fn, query, key, value, s, layout, dist.get_world_size(lengths_pg),
-                            group=group, causal=causal, window_size=tuple(window_size),
-                            softmax_scale=softmax_scale, softcap=softcap,
-                            alibi_slopes=alibi_slopes)
+            seqlen, error = _agreed_length(query, lengths_pg, layout, error), None
+        with caller_error(error):  # reported by the attention's agreement, on every rank
+            return _padded_call(fn, query, key, value, seqlen, layout,
+                                dist.get_world_size(lengths_pg), group=group, causal=causal,
+                                window_size=tuple(window_size), softmax_scale=softmax_scale,
+                                softcap=softcap, alibi_slopes=alibi_slopes)
 
 
 class UlyssesAttention(_Attention):
@@ -589,3 +604,8 @@ class LongContextAttention(_Attention):
         return self._attend(hybrid_attention, self.mesh, self._flat, self.layout, query, key,
                             value, dropout_p, softmax_scale, causal, window_size, softcap,
                             alibi_slopes, seqlen)
+
+
+if __name__ == "__main__":  # a library module: name the programs, do not exit 0
+    from ringattn._program import not_a_program
+    not_a_program(__spec__)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ..strategies.ring import Ring, build_ring, ring_backward, ring_forward
 from ..strategies.ulysses import split_heads_attention
-from ..validate import autocast_inputs, unit_stride
+from ..validate import autocast_inputs, differentiable_once, unit_stride
 from ..comm import resolve_group
 from ..masks import key_padding
 from ..spec import accumulator_dtype
@@ -82,6 +82,7 @@ class _TTTAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, dout):
         q, k0, v0, out, lse, *cached = ctx.saved_tensors
         ring = ctx.ring
@@ -311,3 +312,8 @@ def dense_ttt_attention(q, keys, values, *, softmax_scale: float | None = None,
     dead = ~ok.any(-1, keepdim=True)
     p = torch.softmax(scores.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
     return (p @ v).transpose(1, 2)
+
+
+if __name__ == "__main__":  # a library module: name the programs, do not exit 0
+    from ringattn._program import not_a_program
+    not_a_program(__spec__)

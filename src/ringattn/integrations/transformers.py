@@ -51,6 +51,7 @@ from ..strategies.auto import attention
 from ..batch import shard_batch
 from ..layouts import DEFAULT_LAYOUT
 from ..masks import and_keys, chunked_key
+from ..validate import caller_error
 
 __all__ = ["NAME", "ModelMask", "check_attention", "check_model", "prepare_batch", "register",
            "ring_attention_forward"]
@@ -316,28 +317,9 @@ def _ring_arguments(module, attention_mask, sliding_window, is_causal, ring_cont
     return causal, window, mask
 
 
-def ring_attention_forward(module, query, key, value, attention_mask=None, dropout=0.0,
-                           scaling=None, sliding_window=None, softcap=None, s_aux=None,
-                           is_causal=None, ring_context=None, output_attentions=False,
-                           head_mask=None, **kwargs):
-    """transformers attention function: query [B, H, L, D], key [B, Hkv, L, D], value
-    [B, Hkv, L, Dv] -> ([B, L, H, Dv], None).
-
-    Raises:
-        TypeError: an argument ring attention does not implement (named), or a mask it
-            cannot translate. ValueError: no ring context, dropout, a model that
-            ``check_model`` refuses, or an OPT-style model (``POSITIONS_FROM_MASK``) on a
-            batch whose slot positions differ from the ones it counts (use
-            ``prepare_batch``).
-    """
-    if ring_context is None:
-        raise ValueError(
-            f"attn_implementation='ringattn' needs the batch's ring_context, but "
-            f"{type(module).__name__} got none: either the model was not called with the dict "
-            f"from ringattn.shard_batch / prepare_batch, or it does not pass its keyword "
-            f"arguments on to attention (as stablelm and nemotron do), and ring attention "
-            f"cannot run it"
-        )
+def _check_call(module, attention_mask, dropout, sliding_window, is_causal, ring_context,
+                output_attentions, head_mask, kwargs):
+    """This rank's refusals of one attention call; (causal, window, mask) otherwise."""
     if kwargs.pop("output_router_logits", None):
         raise ValueError("output_router_logits=True: each rank would normalise the router "
                          "auxiliary loss over its own tokens; pass output_router_logits=False")
@@ -367,16 +349,47 @@ def ring_attention_forward(module, query, key, value, attention_mask=None, dropo
             f"{type(module).__name__} scales its queries by position (attn_temperature_tuning) "
             f"from arange(local length), not the global positions; disable it for ring attention"
         )
-    causal, window, mask = _ring_arguments(module, attention_mask, sliding_window, is_causal,
-                                           ring_context)
+    return _ring_arguments(module, attention_mask, sliding_window, is_causal, ring_context)
+
+
+def ring_attention_forward(module, query, key, value, attention_mask=None, dropout=0.0,
+                           scaling=None, sliding_window=None, softcap=None, s_aux=None,
+                           is_causal=None, ring_context=None, output_attentions=False,
+                           head_mask=None, **kwargs):
+    """transformers attention function: query [B, H, L, D], key [B, Hkv, L, D], value
+    [B, Hkv, L, Dv] -> ([B, L, H, Dv], None).
+
+    Raises:
+        TypeError: an argument ring attention does not implement (named), or a mask it
+            cannot translate. ValueError: no ring context, dropout, a model that
+            ``check_model`` refuses, or an OPT-style model (``POSITIONS_FROM_MASK``) on a
+            batch whose slot positions differ from the ones it counts (use
+            ``prepare_batch``).
+    """
+    if ring_context is None:
+        raise ValueError(
+            f"attn_implementation='ringattn' needs the batch's ring_context, but "
+            f"{type(module).__name__} got none: either the model was not called with the dict "
+            f"from ringattn.shard_batch / prepare_batch, or it does not pass its keyword "
+            f"arguments on to attention (as stablelm and nemotron do), and ring attention "
+            f"cannot run it"
+        )
+    try:  # this rank's own refusals travel in the attention's agreement (every rank raises)
+        causal, window, mask = _check_call(module, attention_mask, dropout, sliding_window,
+                                           is_causal, ring_context, output_attentions,
+                                           head_mask, kwargs)
+        error = None
+    except (TypeError, ValueError) as exc:
+        (causal, window, mask), error = (True, (-1, -1), None), exc
     kw = ring_context.attention_kwargs()
     if mask is not None:
         kw["mask"] = and_keys(kw["mask"], mask)
-    out = attention(  # the batch's strategy (shard_batch's)
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-        strategy=ring_context.strategy, causal=causal, window_size=window, softmax_scale=scaling,
-        softcap=float(softcap) if softcap else 0.0, sinks=s_aux, **kw,
-    )
+    with caller_error(error):
+        out = attention(  # the batch's strategy (shard_batch's)
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+            strategy=ring_context.strategy, causal=causal, window_size=window,
+            softmax_scale=scaling, softcap=float(softcap) if softcap else 0.0, sinks=s_aux, **kw,
+        )
     ring_context.record_call()
     return out, None
 
@@ -389,3 +402,8 @@ def register(name: str = NAME) -> str:
     AttentionInterface.register(name, ring_attention_forward)
     AttentionMaskInterface.register(name, _model_mask)
     return name
+
+
+if __name__ == "__main__":  # a library module: name the programs, do not exit 0
+    from ringattn._program import not_a_program
+    not_a_program(__spec__)
