@@ -30,14 +30,14 @@ import torch.distributed as dist
 from .comm import (HYBRID_DIMS, RingComm, agree, caller_site, control_group, group_by_name, group_members,
                    is_hybrid_mesh, resolve_group, site_digest)
 from .kernels import available_kernels, get_kernel
-from .layouts import LAYOUT_NAMES, SHARD_TAG, Layout, check_tag, get_layout
+from .layouts import LAYOUT_NAMES, SHARD_TAG, Layout, check_tag, get_layout, same_tag
 from .masks import (Mask, check_cu_seqlens, document, fingerprint, head_offset,
                     registered_mask, sliding_window, value_digest)
 from .plan import Plan, make_plan, view_digest
 from .spec import BACKWARD_OVERLAP, AttnSpec
 
 __all__ = ["Checked", "FIELD_NAMES", "STRATEGY_CHOICES", "STRATEGY_NAMES", "agreed",
-           "caller_error", "differentiable_once",
+           "caller_error", "differentiable_once", "tag_result",
            "autocast_inputs", "check_local", "check_strategy", "effective_mask", "heads_plan",
            "no_autocast", "op_call_args", "op_tensors", "optional_tensor", "unit_stride"]
 
@@ -414,7 +414,20 @@ def autocast_inputs(q, k, v):
     dtype = torch.get_autocast_dtype(dev)
     # autocast's own rule: float32/16 tensors are cast, float64 ones are left alone
     low = (torch.float32, torch.float16, torch.bfloat16)
-    return tuple(t.to(dtype) if t.dtype in low else t for t in (q, k, v))
+    # a cast shard is still the shard it was: its tag is checked as the input's
+    return tuple(same_tag(t.to(dtype), t) if t.dtype in low else t for t in (q, k, v))
+
+
+def tag_result(q, out, lse, return_lse: bool):
+    """An attention call's (out, lse) or out, tagged as shards of the same placement as
+    ``q`` when q is one (``unshard(out)`` then needs no seqlen): out along dim 1 of
+    [B, L, H, D], lse along dim 2 of [B, H, L]."""
+    tag = getattr(q, SHARD_TAG, None)
+    if tag is not None:
+        setattr(out, SHARD_TAG, tag._replace(dim=1, ndim=out.dim()))
+        if return_lse:
+            setattr(lse, SHARD_TAG, tag._replace(dim=2, ndim=lse.dim()))
+    return (out, lse) if return_lse else out
 
 
 def no_autocast(device_type: str):

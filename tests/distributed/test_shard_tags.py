@@ -136,3 +136,35 @@ def test_shard_batch_outputs_are_shards(clusters):
     for rank, (*oks, refused) in enumerate(clusters(3).run(batch_outputs, timeout=100)):
         assert all(oks), (rank, oks)
         assert refused is not None and "sharded with layout 'striped'" in refused[1], refused
+
+
+def outputs_are_shards():
+    """Rank side: each strategy's out and lse carry q's tag (unshard needs no seqlen; another
+    layout is refused); under autocast a cast shard is still checked."""
+    world = dist.get_world_size()
+    s = 4 * world + 1
+    x = torch.randn(1, s, 2, 8, generator=torch.Generator().manual_seed(2))
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    from reference import attention, rel_err
+
+    ref_out, ref_lse = attention(*(x.double(),) * 3, causal)
+    errors, refused = {}, {}
+    for strategy in ("ring", "ulysses", "allgather"):
+        q = ra.shard(x)
+        out, lse = getattr(ra, f"{strategy}_attention")(q, q, q, causal=True, return_lse=True)
+        errors[strategy] = (rel_err(ra.unshard(out), ref_out), rel_err(ra.unshard(lse, dim=2), ref_lse))
+        refused[strategy] = _message(lambda: ra.unshard(out, layout="striped"))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            refused[strategy + "-autocast"] = _message(
+                lambda: getattr(ra, f"{strategy}_attention")(q, q, q, layout="striped"))
+    return errors, refused
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_outputs_are_shards(clusters, world):
+    for rank, (errors, refused) in enumerate(clusters(world).run(outputs_are_shards, timeout=100)):
+        for strategy, (err_out, err_lse) in errors.items():
+            assert err_out < 1e-5 and err_lse < 1e-5, (rank, strategy, err_out, err_lse)
+        for name, got in refused.items():
+            assert got is not None and "sharded with layout 'zigzag'" in got[1], (rank, name, got)

@@ -34,7 +34,8 @@ from ..layouts import DEFAULT_LAYOUT, local_positions
 from ..masks import Mask, mask_key
 from ..plan import Plan, kv_source
 from ..validate import (agreed, autocast_inputs, differentiable_once, heads_plan, no_autocast,
-                        op_call_args, op_tensors, optional_tensor, unit_stride)
+                        op_call_args, op_tensors, optional_tensor, tag_result,
+                        unit_stride)
 from .ring import Ring, attention_backward, attention_forward
 
 __all__ = ["GatherGroup", "allgather_attention", "compiled_allgather_attention", "local_ring"]
@@ -214,10 +215,11 @@ def allgather_attention(
         spec_g, plan = heads_plan(checked, qa, qb, lay, world, rank, b, q.device)
         ring = local_ring(spec_g, plan, checked.kernel, lay, world, rank, n, q_pos, kv_pos)
         groups.append(GatherGroup(a, a + stride, qa, qb, ring))
+    given_q = q
     q, k, v = unit_stride(q, k, v)
     with no_autocast(q.device.type):
         out, lse = allgather_attention_apply(q, k, v, sinks, groups, pg, world, bool(return_lse))
-    return (out, lse) if return_lse else out
+    return tag_result(given_q, out, lse, return_lse)
 
 
 

@@ -45,7 +45,7 @@ from ..merge import merge_, merge_weights
 from ..plan import Plan
 from ..spec import BACKWARD_OVERLAP, AttnSpec, accumulator_dtype
 from ..validate import (agreed, autocast_inputs, check_local, differentiable_once, no_autocast,
-                        op_call_args, optional_tensor, unit_stride)
+                        op_call_args, optional_tensor, tag_result, unit_stride)
 
 __all__ = ["BACKWARD_OVERLAP", "Ring", "RingAttention", "attention_backward",
            "attention_forward", "build_ring", "compiled_ring_attention", "ring_attention",
@@ -488,6 +488,7 @@ def ring_attention(
         TypeError, ValueError: on bad input or when ranks disagree on shapes or options; the
             same error is raised on every rank, before any ring communication.
     """
+    given_q = q
     q, k, v = autocast_inputs(q, k, v)
     if torch.compiler.is_compiling():  # opaque custom ops: see the end of this file
         if kernel is not None and not isinstance(kernel, str):
@@ -512,7 +513,7 @@ def ring_attention(
     q, k, v = unit_stride(q, k, v)
     with no_autocast(q.device.type):  # the kernels accumulate in fp32 themselves
         out, lse = RingAttention.apply(q, k, v, sinks, ring, bool(return_lse))
-    return (out, lse) if return_lse else out
+    return tag_result(given_q, out, lse, return_lse)
 
 
 

@@ -44,7 +44,7 @@ from ..plan import Plan
 from ..spec import AttnSpec, accumulator_dtype
 from ..validate import (Checked, agreed, autocast_inputs, check_local, differentiable_once,
                         heads_plan, no_autocast, op_call_args, op_tensors, optional_tensor,
-                        unit_stride)
+                        tag_result, unit_stride)
 from .ring import Ring, RingAttention, attention_backward, attention_forward
 
 __all__ = ["Exchange", "HeadSplit", "Topology", "compiled_heads_attention", "head_split",
@@ -251,7 +251,10 @@ def split_heads_entry(strategy: str, q, k, v, **kwargs):
     pair (end of this file), else ``split_heads_attention``."""
     if torch.compiler.is_compiling():
         return compiled_heads_attention(strategy, *autocast_inputs(q, k, v), **kwargs)
-    return split_heads_attention(q, k, v, strategy=strategy, **kwargs)
+    result = split_heads_attention(q, k, v, strategy=strategy, **kwargs)
+    if kwargs.get("return_lse"):
+        return tag_result(q, *result, True)
+    return tag_result(q, result, None, False)
 
 
 @dataclass(frozen=True)
