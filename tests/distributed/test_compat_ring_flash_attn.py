@@ -202,7 +202,7 @@ def test_varlen_functions_exact(clusters, world):
 def llama3_cases():
     """Rank side: llama3_flash_attn_prepare_cu_seqlens and the llama3 varlen functions, as
     ring-flash-attn's test runs them (every rank a contiguous slice of the packed tokens),
-    with the offsets remembered and (a copy of the tensor) gathered from the ranks."""
+    with prepare's tensor, a copy of it on one rank only, and copies on every rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cu = [0, 5, 7, 20, 24 * world]
     total, per = cu[-1], cu[-1] // world
@@ -223,15 +223,17 @@ def llama3_cases():
             meaning.append((k_a, k_b) == (start, end))
         meaning.append(max_q == int((cu_q[1:] - cu_q[:-1]).max()))
         meaning.append(max_k == int((cu_k[1:] - cu_k[:-1]).max()))
-        for pack, stride, remembered in (("qkvpacked", 1, True), ("", 2, True),
-                                         ("kvpacked", 1, False)):
+        # the tensor prepare returned, a copy on rank 0 only (equal in value), a copy on
+        # every rank: every rank takes the same path whatever the tensor carries
+        for pack, stride, copied in (("qkvpacked", 1, False), ("", 2, rank == 0),
+                                     ("kvpacked", 1, True)):
             hkv = 4 if pack == "qkvpacked" else 2
             q, k, v, do = (t[0] for t in _data(1, total, 4, hkv, seed=5))
             ro, rl, dq, dk, dv = (t[0] for t in _ref(q[None], k[None], v[None], do[None],
                                                       _docs_ok(cu, causal)))
             split = lambda t: t[lo:hi].contiguous()  # noqa: E731
             local = [split(t).requires_grad_() for t in (q, k, v)]
-            cq = cu_q if remembered else cu_q.clone()  # a copy does not carry the offsets
+            cq = cu_q.clone() if copied else cu_q
             args = (cq, cu_k, max_q, max_k, stride, k_slice)
             if pack == "qkvpacked":
                 packed = torch.stack([t.detach() for t in local], dim=1).requires_grad_()
@@ -256,10 +258,10 @@ def llama3_cases():
     return results
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("world", [2, 3])
 def test_llama3_exact(clusters, world):
-    for rank, results in enumerate(clusters(world).run(llama3_cases, timeout=200)):
+    for rank, results in enumerate(clusters(world).run(llama3_cases, timeout=120)):
         for causal, pack, meaning, errs in results:
             assert all(meaning), (rank, causal, meaning)
             assert max(errs.values()) <= TOL, (rank, causal, pack, errs)
@@ -294,17 +296,40 @@ def varlen_attention_cases():
                         "dq": rel_err(local[0].grad, sh(dq)), "dk": rel_err(local[1].grad, sh(dk)),
                         "dv": rel_err(local[2].grad, sh(dv))}
                 results.append((strategy, layout, window, errs))
+    # gpt-oss's sinks through sinks=: out and the gradients of q, k, v and the sinks
+    # (summed over the ranks, as any parameter's)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(8)) * 2
+    ref_sinks = sinks.double().requires_grad_()
+    qd, kd, vd = (t[None].double().requires_grad_() for t in (q, k, v))
+    ro, _ = attention(qd, kd, vd, _docs_ok(cu, True), sinks=ref_sinks)
+    (ro * do[None].double()).sum().backward()
+    sh = lambda t: ra.shard(t, dim=0, cu_seqlens=cu, layout="zigzag")  # noqa: E731
+    local = [sh(t).requires_grad_() for t in (q, k, v)]
+    own_sinks = sinks.clone().requires_grad_()
+    out = ra.varlen_attention(*local, cu, cu, 19, 19, causal=True, strategy="allgather",
+                              sinks=own_sinks)
+    (out * sh(do)).sum().backward()
+    dsinks = own_sinks.grad.clone()
+    dist.all_reduce(dsinks)
+    results.append(("allgather", "zigzag", "sinks", {
+        "out": rel_err(out, sh(ro[0].detach())), "dq": rel_err(local[0].grad, sh(qd.grad[0])),
+        "dk": rel_err(local[1].grad, sh(kd.grad[0])), "dv": rel_err(local[2].grad, sh(vd.grad[0])),
+        "dsinks": rel_err(dsinks, ref_sinks.grad)}))
     refusals = []
     q_l = ra.shard(q, dim=0, cu_seqlens=cu)
+    rank = dist.get_rank()
     for kwargs in ({"dropout_p": 0.1}, {"max_seqlen_q": 5}, {"cu_seqlens_k": [0, 29]},
-                   {"layout": "striped"}):
-        args = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=19, max_seqlen_k=19)
+                   {"layout": "striped"}, {"casual": True}, {"seqlen": 29},
+                   {"dropout_p": 0.1 if rank == 1 else 0.0}, {"k": q_l[:, :3], "v": q_l[:, :3]},
+                   {"q": q[:9], "k": k[:9], "v": v[:9], "layout": "contiguous"}):
+        args = dict(q=q_l, k=q_l[:, :2], v=q_l[:, :2], cu_seqlens_q=cu, cu_seqlens_k=cu,
+                    max_seqlen_q=19, max_seqlen_k=19, causal=True)
         args.update(kwargs)
         try:
-            ra.varlen_attention(q_l, q_l[:, :2], q_l[:, :2], causal=True, **args)
+            ra.varlen_attention(**args)
             refusals.append("computed")
-        except ValueError as exc:
-            refusals.append(str(exc))
+        except (TypeError, ValueError) as exc:
+            refusals.append(f"{type(exc).__name__}: {exc}")
     return results, refusals
 
 
@@ -317,17 +342,44 @@ def test_varlen_attention(clusters):
         assert "dropout_p must be 0" in refusals[0]
         assert "max_seqlen_q must be an int >= the longest document (19" in refusals[1]
         assert "cu_seqlens_q" in refusals[2] and "differ" in refusals[2]
-        assert "sharded by ringattn.shard with layout='zigzag'" in refusals[3], refusals[3]
+        assert "sharded with layout 'zigzag' but is attended" in refusals[3], refusals[3]
+        # its own names and shapes, never the batch API's
+        assert refusals[4].startswith("TypeError: ") and (
+            "varlen_attention() got an unexpected keyword argument 'casual' (did you mean "
+            "'causal'?)") in refusals[4], refusals[4]
+        assert "TypeError: " in refusals[5] and "varlen_attention() takes no seqlen=" in refusals[5]
+        # one rank's bad value: raised on every rank, by the agreement (no wait)
+        assert refusals[6].startswith("ValueError: rank 1: dropout_p must be 0"), refusals[6]
+        assert "q has 4 heads, not a multiple of k's 3 heads (dim 1 of [T, H, D]" in refusals[7]
+        assert "T=9 on dim 0 of [T, H, D]" in refusals[8] and "S=29" in refusals[8]
+        for said in refusals:
+            assert "S_local" not in said and "[B" not in said, said
+            assert "ring_attention" not in said, said
     assert per_rank[0][1] == per_rank[1][1] == per_rank[2][1]
+
+
+def _hook_model(family, attn):
+    if family == "gpt_oss":  # sinks (s_aux, random), a sliding and a full layer, MoE
+        from families import build
+
+        return build("gpt_oss", attn)
+    from models import tiny_causal_lm
+
+    return tiny_causal_lm(family, attn)
+
+
+def _flat_grads(model):
+    """Every parameter's gradient, flat (zeros for a parameter that got none)."""
+    return torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).flatten()
+                      for p in model.parameters()])
 
 
 def hf_hook_case(family):
     """Rank side: ring-flash-attn's README flow with the import changed: substitute the hook,
     pack three documents, update the params with the global cu_seqlens, feed each rank its
-    torch.chunk of input_ids and position_ids; logits and the all-reduced gradients against
-    the same model run on each document alone in one process (sdpa)."""
-    from models import tiny_causal_lm
-
+    torch.chunk of input_ids and position_ids; logits, the loss and the all-reduced
+    gradients (gpt-oss's sinks included) against the same model run on each document alone
+    in one process (sdpa; eager for gpt-oss)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(ranks=list(range(world)))
     name = rfa.substitute_hf_flash_attn(group, heads_k_stride=1)
@@ -338,25 +390,134 @@ def hf_hook_case(family):
     position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
     cu = torch.cat([torch.tensor([0]), torch.cumsum(torch.tensor(lengths), 0)]).to(torch.int32)
     rfa.update_ring_flash_attn_params(cu, group)
-    model = tiny_causal_lm(family, name)
+    model = _hook_model(family, name)
     local_ids = torch.chunk(input_ids, world, dim=1)[rank]
     local_pos = torch.chunk(position_ids, world, dim=1)[rank]
     logits = model(input_ids=local_ids, position_ids=local_pos).logits
     weights = torch.randn(input_ids.shape[1], 97, generator=g)
-    (logits[0] * torch.chunk(weights, world, dim=0)[rank]).sum().backward()
-    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    loss = (logits[0] * torch.chunk(weights, world, dim=0)[rank]).sum()
+    loss.backward()
+    loss = loss.detach().clone()
+    dist.all_reduce(loss)
+    grads = _flat_grads(model)
     dist.all_reduce(grads)
-    ref_model = tiny_causal_lm(family, "sdpa")
+    ref_model = _hook_model(family, "eager" if family == "gpt_oss" else "sdpa")
     ref = torch.cat([ref_model(input_ids=d[None]).logits[0] for d in docs])
-    (ref * weights).sum().backward()
-    ref_grads = torch.cat([p.grad.flatten() for p in ref_model.parameters()])
-    return {"logits": rel_err(logits[0], torch.chunk(ref, world, dim=0)[rank]),
-            "grads": rel_err(grads, ref_grads)}
+    ref_loss = (ref * weights).sum()
+    ref_loss.backward()
+    ref_grads = _flat_grads(ref_model)
+    errs = {"logits": rel_err(logits[0], torch.chunk(ref, world, dim=0)[rank]),
+            "loss": rel_err(loss, ref_loss.detach()), "grads": rel_err(grads, ref_grads)}
+    sinks = [(p, r) for (n, p), r in zip(model.named_parameters(), ref_model.parameters())
+             if n.endswith(".sinks")]
+    if sinks:  # their own gradients, summed over the ranks, and not zero
+        got = torch.cat([torch.zeros_like(p) if p.grad is None else p.grad for p, _ in sinks])
+        dist.all_reduce(got)
+        want = torch.cat([r.grad for _, r in sinks])
+        errs["sinks"] = rel_err(got, want)
+        errs["sinks_moved"] = float(want.abs().max() < 1e-3)  # 0.0: the sinks matter
+    return errs
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("family", ["llama", "qwen2-sliding"])
+@pytest.mark.parametrize("family", ["llama", "qwen2-sliding", "gpt_oss"])
 def test_hf_hook_as_ring_flash_attn_readme(clusters, family):
     pytest.importorskip("transformers")
     for rank, errs in enumerate(clusters(2).run(hf_hook_case, family, timeout=200)):
         assert max(errs.values()) <= TOL, (rank, family, errs)
+        assert family != "gpt_oss" or "sinks" in errs, errs
+
+
+def refusal_cases():
+    """Rank side: arguments only one rank gets wrong (the batch functions' dropout_p or
+    packed kv, the varlen and llama3 functions' dropout_p, the hook's dropout) raise the
+    same error on every rank at once; the hook refuses what it does not implement, by name;
+    a model whose config a later from_config switched to eager is refused, and one whose
+    reference was built from a copy runs."""
+    import copy
+
+    import transformers as tf
+    from ringattn import comm
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    said = {}
+
+    def attempt(key, fn):
+        try:
+            fn()
+            said[key] = "computed"
+        except (TypeError, ValueError) as exc:
+            said[key] = f"{type(exc).__name__}: {exc}"
+
+    before = comm.get_timeout()
+    comm.set_timeout(30.0)  # a rank that raised alone would leave the others waiting
+    try:
+        q, k, v, _ = _data(1, 8 * world, 4, 2, seed=13)
+        loc = [zigzag_local(t, rank, world) for t in (q, k, v)]
+        one = 0.1 if rank == 1 else 0.0
+        attempt("batch dropout", lambda: rfa.zigzag_ring_flash_attn_func(
+            *loc, dropout_p=one, causal=True))
+        kv = torch.stack(loc[1:], dim=2)
+        attempt("batch kv", lambda: rfa.ring_flash_attn_kvpacked_func(
+            loc[0], kv if rank == 1 else kv[:, :, :1], causal=True))
+        cu = [0, 4 * world, 8 * world]
+        packed = [doc_local(t[0], cu, rank, world, True) for t in (q, k, v)]
+        attempt("varlen dropout", lambda: rfa.zigzag_ring_flash_attn_varlen_func(
+            *packed, torch.tensor(cu) // world, 4, dropout_p=one, causal=True))
+        prepared = rfa.llama3_flash_attn_prepare_cu_seqlens(torch.tensor(cu), True, rank, world)
+        sliced = [t[0, rank * 8:(rank + 1) * 8] for t in (q, k, v)]
+        attempt("llama3 dropout", lambda: rfa.llama3_flash_attn_varlen_func(
+            *sliced, *prepared[:4], 1, prepared[4], dropout_p=0.1 if rank == 0 else 0.0,
+            causal=True))
+        group = dist.new_group(ranks=list(range(world)))
+        name = rfa.substitute_hf_flash_attn(group, heads_k_stride=1)
+        rfa.update_ring_flash_attn_params(torch.tensor(cu), group)
+        common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+        torch.manual_seed(0)
+        cfg = tf.LlamaConfig(**common)
+        model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation=name)
+        layer = model.model.layers[0].self_attn
+        g = torch.Generator().manual_seed(14)  # transformers' [1, heads, T, 16]
+        hq, hk, hv = (torch.randn(1, h, 8, 16, generator=g) for h in (4, 2, 2))
+        attempt("hook kwarg", lambda: rfa._hf_attention(layer, hq, hk, hv, foo=1))
+        attempt("hook dropout", lambda: rfa._hf_attention(layer, hq, hk, hv, dropout=one))
+        attempt("hook mask", lambda: rfa._hf_attention(layer, hq, hk, hv, torch.zeros(1, 1, 8, 8)))
+        attempt("hook plain", lambda: rfa._hf_attention(layer, hq, hk, hv, position_ids=None,
+                                                        use_cache=False))
+        ids = torch.arange(8 * world).remainder(97)[None]
+        pos = torch.cat([torch.arange(4 * world)] * 2)[None]
+        local_ids, local_pos = (t.chunk(world, dim=1)[rank] for t in (ids, pos))
+        attempt("first call", lambda: model(input_ids=local_ids, position_ids=local_pos))
+        tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")  # the reference
+        attempt("switched", lambda: model(input_ids=local_ids, position_ids=local_pos))
+        cfg = tf.LlamaConfig(**common)
+        model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation=name)
+        tf.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager")
+        attempt("copied", lambda: model(input_ids=local_ids, position_ids=local_pos))
+    finally:
+        comm.set_timeout(before)
+    return said
+
+
+@pytest.mark.timeout(120)
+def test_refusals_on_every_rank(clusters):
+    pytest.importorskip("transformers")
+    per_rank = clusters(2).run(refusal_cases, timeout=100)
+    assert per_rank[0] == per_rank[1], per_rank
+    said = per_rank[0]
+    assert said["batch dropout"].startswith("ValueError: rank 1: dropout_p must be 0"), said
+    assert said["batch kv"].startswith("ValueError: rank 0: kv must have 2 on dim 2"), said
+    assert said["varlen dropout"].startswith("ValueError: rank 1: dropout_p must be 0"), said
+    assert said["llama3 dropout"].startswith("ValueError: rank 0: dropout_p must be 0"), said
+    assert said["hook kwarg"].startswith("TypeError: ") and (
+        "ringattn_varlen does not implement the attention argument(s) ['foo'] that "
+        "LlamaAttention passes") in said["hook kwarg"], said
+    assert said["hook dropout"].startswith("ValueError: rank 1: dropout_p must be 0"), said
+    assert said["hook mask"].startswith("TypeError: ") and (
+        "ringattn_varlen got an attention_mask") in said["hook mask"], said
+    assert said["hook plain"] == said["first call"] == said["copied"] == "computed", said
+    assert said["switched"].startswith("ValueError: LlamaAttention was built to run attention "
+                                       "implementation 'ringattn_varlen', but its config now "
+                                       "names 'eager'"), said
+    assert "copy.deepcopy(cfg)" in said["switched"], said
