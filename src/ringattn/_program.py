@@ -1,8 +1,8 @@
 """The package's programs, and what a library module says when it is run as one.
 
 Every library module ends with a guard that calls ``not_a_program`` when it is run with
-``python -m``, so that a mistyped program name (``python -m ringattn.eagle3.target``
-for ``python -m ringattn.apps.eagle3_target``) fails with a line naming the programs
+``python -m``, so that a mistyped program name (the library's ``ringattn.eagle3.target``
+for the program ``ringattn.apps.eagle3_target``) fails with a line naming the programs
 instead of doing nothing and exiting 0.
 """
 

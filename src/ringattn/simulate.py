@@ -215,3 +215,8 @@ def simulate(q, k, v, dout=None, *, world: int, causal: bool = False,
         r, exc = errors[0]
         raise RuntimeError(f"simulated rank {r} of {world} failed: {exc}") from exc
     return Simulated(world, ranks, steps)
+
+
+if __name__ == "__main__":  # a library module: name the programs, do not exit 0
+    from ringattn._program import not_a_program
+    not_a_program(__spec__)

@@ -90,3 +90,8 @@ class AttnSpec:
 BACKWARD_OVERLAP = ("all", "kv", "none")
 """How much communication the ring's backward overlaps with compute, from fastest to
 leanest (``ring_attention(backward_overlap=...)``)."""
+
+
+if __name__ == "__main__":  # a library module: name the programs, do not exit 0
+    from ringattn._program import not_a_program
+    not_a_program(__spec__)

@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-
+import argparse
 import importlib.util
 import sys
 
@@ -19,15 +19,29 @@ EXTRAS = {"demo": ("transformers", "tqdm", "matplotlib"), "hf": ("transformers",
 """The install extras the programs need (pyproject.toml's optional dependencies)."""
 
 
-def require_extra(extra: str, program: str) -> None:
+def require_extra(extra: str, program: str, packages: tuple[str, ...] | None = None) -> None:
     """Exit with one line naming the missing packages and the extra that installs them,
     before a program starts any work.
 
+    Arguments:
+        extra: the extra that installs what ``program`` needs.
+        program: the program's name, as the user typed it.
+        packages: the packages of ``extra`` the program needs (default: all of them).
+
     Raises:
-        SystemExit: code 2 when a package of ``extra`` is not installed.
+        SystemExit: code 2 when one of them is not installed.
     """
-    missing = [m for m in EXTRAS[extra] if importlib.util.find_spec(m) is None]
+    missing = [m for m in packages or EXTRAS[extra] if importlib.util.find_spec(m) is None]
     if missing:
         print(f"{program} needs {', '.join(missing)}: pip install 'ringattn[{extra}]'",
               file=sys.stderr)
+        raise SystemExit(2)
+
+
+class Parser(argparse.ArgumentParser):
+    """The programs' argument parser: a usage error is one line on stderr naming the
+    program and the error (not argparse's usage block first), and exit status 2."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: {message} (--help lists the options)", file=sys.stderr)
         raise SystemExit(2)

@@ -9,17 +9,28 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
 from .. import __version__
+from .._program import PROGRAMS
 from ..layouts import LAYOUTS
-from . import require_extra, train
+from . import Parser, require_extra, train
 from .eagle3_train import Eagle3Config
 
 __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ringattn", description=__doc__.split("\n\n")[0])
+    parser = Parser(
+        prog="ringattn", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.fill(
+            "Train under ring attention: ringattn demo (what make demo runs: an Eagle3 draft "
+            "on CPU ranks beside one process; --target lm for a plain causal LM) and ringattn "
+            "train (a transformers causal LM, on spawned ranks or under torchrun).", 78),
+        epilog="the package's programs:\n" + "\n".join(
+            f"  {command}\n" + textwrap.fill(what, 78, initial_indent=" " * 6,
+                                              subsequent_indent=" " * 6)
+            for command, what in PROGRAMS))
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(

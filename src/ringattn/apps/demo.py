@@ -191,3 +191,8 @@ def run_demo(
             f"{os.path.join(out_dir, 'losses.json')} and losses.png"
         )
     return result
+
+
+if __name__ == "__main__":  # a library module: name the programs, do not exit 0
+    from ringattn._program import not_a_program
+    not_a_program(__spec__)

@@ -276,3 +276,8 @@ def run_eagle3_demo(world: int = 2, steps: int = Eagle3Config.steps, out_dir: st
               f"forward (untrained draft: {accepted['untrained']:.2f}; {accepted['rounds']} "
               f"rounds of {DRAFT_LEN} proposals); output = the target's greedy generation")
     return result
+
+
+if __name__ == "__main__":  # a library module: name the programs, do not exit 0
+    from ringattn._program import not_a_program
+    not_a_program(__spec__)

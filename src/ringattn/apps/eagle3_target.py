@@ -3,31 +3,55 @@ training (``ringattn.eagle3.target``'s format), from chat data."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 from ..eagle3.target import _DTYPES, load_target, precompute
+from . import Parser, require_extra
+
+PROG = "python -m ringattn.apps.eagle3_target"
 
 
 def main(argv=None) -> int:
     """``python -m ringattn.apps.eagle3_target --target DIR --data chats.jsonl --out DIR``: render
-    the conversations with the target's tokenizer and write the offline format."""
-    import argparse
+    the conversations with the target's tokenizer and write the offline format.
 
-    from transformers import AutoTokenizer
-
-    from ..eagle3.data import load_conversations, render
-
-    parser = argparse.ArgumentParser(prog="python -m ringattn.apps.eagle3_target",
-                                     description=main.__doc__.split("\n\n")[0])
+    Returns:
+        0 (bad arguments, or a missing transformers or tqdm, exit with status 2 and one line).
+    """
+    parser = Parser(prog=PROG, description=(
+        "Store a target's outputs (auxiliary hidden states and logits) for offline Eagle3 "
+        "training: render the conversations with the target's tokenizer and chat template, "
+        "run the target once, and write the offline format that python -m "
+        "ringattn.apps.eagle3_train --offline reads."))
     parser.add_argument("--target", required=True, help="a local transformers model directory")
     parser.add_argument("--data", required=True, help="JSON lines of conversations")
     parser.add_argument("--out", required=True, help="the offline directory to write")
     parser.add_argument("--seqlen", type=int, default=None, help="cut conversations to this")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16",
-                        help="of the stored hidden states and logits")
+                        help="of the stored hidden states and logits (default bfloat16)")
     args = parser.parse_args(argv)
-    target = load_target(args.target, attn_implementation="sdpa")
+    require_extra("demo", PROG, packages=("transformers", "tqdm"))
+    try:
+        if not os.path.isfile(os.path.join(args.target, "config.json")):
+            raise ValueError(f"--target {args.target!r} is not a local transformers model "
+                             f"directory (no config.json)")
+        if not os.path.isfile(args.data):
+            raise ValueError(f"--data {args.data!r} is not a file")
+        if args.seqlen is not None and args.seqlen < 1:
+            raise ValueError(f"--seqlen must be >= 1, got {args.seqlen}")
+        from transformers import AutoTokenizer
+
+        from ..eagle3.data import load_conversations, render
+
+        conversations = load_conversations(args.data)
+        target = load_target(args.target, attn_implementation="sdpa")
+    except ValueError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     tok = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
     samples = []
-    for conv in load_conversations(args.data):
+    for conv in conversations:
         ids, mask = render(tok, conv, max_len=args.seqlen)
         samples.append({"input_ids": ids, "loss_mask": mask})
     index = precompute(target, samples, args.out, dtype=args.dtype)

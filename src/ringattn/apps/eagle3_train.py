@@ -14,11 +14,11 @@ process with the dense TTT mask: the baseline the CP run must match.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ..comm import metadata_device, resolve_group
 from ..integrations import transformers as ra_hf
 from ..layouts import LAYOUTS, local_positions
-from . import require_extra
+from . import Parser, require_extra
 from .train import leave_together, peak_rss_mib, plot_curves, spawn
 from ..eagle3.draft import (Eagle3Draft, aux_layer_ids, draft_vocabulary, eagle3_step, run_target,
                     shard_target_outputs)
@@ -110,6 +110,10 @@ class Eagle3Config:
     """A directory ``python -m ringattn.apps.eagle3_target`` wrote: train on the stored target
     outputs instead of running the target (``target`` still gives the draft its layer
     config and embedding)."""
+    held_out: int = 0
+    """With ``data`` (or ``offline``): the last this many conversations (stored samples)
+    are left out of training and of the draft vocabulary; the command line's closing
+    evaluation prompts from them."""
 
     def __post_init__(self):
         for name in ("seqlen", "batch", "steps", "ttt_steps", "vocab", "draft_vocab", "hidden",
@@ -117,7 +121,7 @@ class Eagle3Config:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        for name in ("warmup", "save_every"):
+        for name in ("warmup", "save_every", "held_out"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
@@ -143,6 +147,8 @@ class Eagle3Config:
             raise ValueError("data needs a target (its tokenizer renders the conversations)")
         if self.pack and (self.data is None or self.batch != 1):
             raise ValueError("pack needs data and batch=1 (packed rows carry their own documents)")
+        if self.held_out and self.data is None and self.offline is None:
+            raise ValueError("held_out needs data or offline (conversations to hold out)")
 
     def check_world(self, world: int) -> None:
         """Refuse a world size W this configuration cannot run on (``spawn`` and the CLI
@@ -232,26 +238,83 @@ def build_draft(cfg: Eagle3Config, target, draft_ids: torch.Tensor) -> Eagle3Dra
     return draft.train()
 
 
-def chat_rows(cfg: Eagle3Config) -> tuple[list[dict], list]:
-    """(training rows, rendered samples) of ``cfg.data`` with ``cfg.target``'s tokenizer."""
+def _check_held_out(cfg: Eagle3Config, count: int, what: str) -> None:
+    if cfg.held_out >= count:
+        raise ValueError(f"{what} holds {count} conversations: holding out held_out="
+                         f"{cfg.held_out} (the command line's --eval-prompts) for the closing "
+                         f"evaluation leaves none to train on")
+
+
+def chat_rows(cfg: Eagle3Config, *, held_out: bool = False) -> tuple[list[dict], list]:
+    """(training rows, rendered samples) of ``cfg.data`` with ``cfg.target``'s tokenizer:
+    every conversation but the last ``cfg.held_out``; with ``held_out``, (None, the held
+    out conversations' samples)."""
     from transformers import AutoTokenizer
 
     from ..eagle3.data import load_conversations, make_rows, render
 
+    conversations = load_conversations(cfg.data)
+    _check_held_out(cfg, len(conversations), f"data {cfg.data!r}")
+    keep = len(conversations) - cfg.held_out
+    conversations = conversations[keep:] if held_out else conversations[:keep]
     tok = AutoTokenizer.from_pretrained(cfg.target, local_files_only=True)
-    samples = [render(tok, c, max_len=cfg.seqlen) for c in load_conversations(cfg.data)]
+    samples = [render(tok, c, max_len=cfg.seqlen) for c in conversations]
+    if held_out:
+        return None, samples
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     return make_rows(samples, cfg.seqlen, pad_id=pad, pack=cfg.pack), samples
 
 
-def offline_rows(cfg: Eagle3Config) -> tuple[list[dict], list]:
-    """(rows of ``cfg.offline``'s stored samples, one per row cut or padded to S; their
-    (ids, loss mask) pairs for the draft vocabulary)."""
+def offline_rows(cfg: Eagle3Config, *, held_out: bool = False) -> tuple[list[dict], list]:
+    """(rows of ``cfg.offline``'s stored samples but the last ``cfg.held_out``, one per row
+    cut or padded to S; their (ids, loss mask) pairs for the draft vocabulary); with
+    ``held_out``, those of the last ``cfg.held_out`` samples."""
     stored = OfflineSamples(cfg.offline)
-    rows = [stored.batch([i], cfg.seqlen) for i in range(len(stored))]
+    _check_held_out(cfg, len(stored), f"offline {cfg.offline!r}")
+    keep = len(stored) - cfg.held_out
+    rows = [stored.batch([i], cfg.seqlen)
+            for i in (range(keep, len(stored)) if held_out else range(keep))]
     samples = [(r["input_ids"][0][r["attention_mask"][0].bool()],
                 r["loss_mask"][0][r["attention_mask"][0].bool()].bool()) for r in rows]
     return rows, samples
+
+
+def check_inputs(cfg: Eagle3Config, resume: str | None = None) -> None:
+    """Check what a run reads from disk before any rank starts (the command line calls it,
+    so that a bad path is one line, not a failure on every rank): ``cfg.target`` is a
+    model directory, ``cfg.data`` parses and holds more than ``cfg.held_out``
+    conversations, ``cfg.offline`` is an offline directory stored for this target, and
+    ``resume`` a checkpoint of this configuration.
+
+    Raises:
+        ValueError: naming the path and what is wrong with it.
+    """
+    if cfg.target is not None and not os.path.isfile(os.path.join(cfg.target, "config.json")):
+        raise ValueError(f"target {cfg.target!r} is not a local transformers model directory "
+                         f"(no config.json)")
+    if cfg.data is not None:
+        from ..eagle3.data import load_conversations
+
+        if not os.path.isfile(cfg.data):
+            raise ValueError(f"data {cfg.data!r} is not a file")
+        _check_held_out(cfg, len(load_conversations(cfg.data)), f"data {cfg.data!r}")
+    if cfg.offline is not None:
+        from transformers import AutoConfig
+
+        stored = OfflineSamples(cfg.offline)
+        _check_held_out(cfg, len(stored), f"offline {cfg.offline!r}")
+        config = AutoConfig.from_pretrained(cfg.target, local_files_only=True)
+        t = config.get_text_config() if hasattr(config, "get_text_config") else config
+        index = stored.index
+        want = {"target_hidden_size": t.hidden_size, "vocab_size": t.vocab_size,
+                "aux_layers": list(aux_layer_ids(t.num_hidden_layers))}
+        differ = [f"{k} {index.get(k)!r} (target {v!r})" for k, v in want.items()
+                  if index.get(k) != v]
+        if differ:
+            raise ValueError(f"offline {cfg.offline!r} was not stored for target "
+                             f"{cfg.target!r}: " + ", ".join(differ))
+    if resume is not None:
+        read_checkpoint(resume, cfg, mmap=True)
 
 
 def _data_batches(cfg: Eagle3Config, rows: list[dict], replica: int | None):
@@ -447,6 +510,37 @@ def save_checkpoint(path: str, draft: Eagle3Draft, opt, scheduler, step: int,
     os.replace(tmp, os.path.join(path, CHECKPOINT))  # a crash mid-write keeps the old one
 
 
+def read_checkpoint(path: str, cfg: Eagle3Config, *, mmap: bool = False) -> dict:
+    """The state ``save_checkpoint`` wrote into ``path``, checked against ``cfg``
+    (``mmap``: tensors mapped from the file, not read, for a check alone).
+
+    Raises:
+        ValueError: no checkpoint there, or one written with another configuration (other
+            than the number of steps and the save interval).
+    """
+    file = os.path.join(str(path), CHECKPOINT)
+    if not os.path.isfile(file):
+        raise ValueError(f"no Eagle3 checkpoint at {path!r} (expected {CHECKPOINT} there)")
+    try:
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=False, mmap=mmap)
+        except RuntimeError:
+            if not mmap:
+                raise
+            state = torch.load(file, map_location="cpu", weights_only=False)  # not a zip
+        theirs = state["config"]
+    except Exception as exc:  # a truncated or foreign file: say which, not torch's internals
+        raise ValueError(f"{file!r} is not a readable Eagle3 checkpoint ({exc})") from None
+    ours = asdict(cfg)
+    # a field added since the checkpoint was written counts as its default
+    differ = sorted(k for k in ours if k not in ("steps", "save_every")
+                    and ours[k] != theirs.get(k, getattr(Eagle3Config, k)))
+    if differ:
+        raise ValueError(f"checkpoint {path!r} was written with another configuration: "
+                         + ", ".join(f"{k}={theirs.get(k)!r} (now {ours[k]!r})" for k in differ))
+    return state
+
+
 def load_checkpoint(path: str, draft: Eagle3Draft, opt, scheduler, cfg: Eagle3Config) -> tuple[int, dict]:
     """Restore what ``save_checkpoint`` wrote into ``draft``, ``opt`` and ``scheduler``;
     return (optimizer steps done, curves so far).
@@ -455,17 +549,7 @@ def load_checkpoint(path: str, draft: Eagle3Draft, opt, scheduler, cfg: Eagle3Co
         ValueError: no checkpoint there, or one written with another configuration (other
             than the number of steps and the save interval).
     """
-    file = os.path.join(path, CHECKPOINT)
-    if not os.path.isfile(file):
-        raise ValueError(f"no Eagle3 checkpoint at {path!r} (expected {CHECKPOINT} there)")
-    state = torch.load(file, map_location="cpu", weights_only=False)
-    ours, theirs = asdict(cfg), state["config"]
-    # a field added since the checkpoint was written counts as its default
-    differ = sorted(k for k in ours if k not in ("steps", "save_every")
-                    and ours[k] != theirs.get(k, getattr(Eagle3Config, k)))
-    if differ:
-        raise ValueError(f"checkpoint {path!r} was written with another configuration: "
-                         + ", ".join(f"{k}={theirs.get(k)!r} (now {ours[k]!r})" for k in differ))
+    state = read_checkpoint(path, cfg)
     draft.load_state_dict(state["draft"])
     opt.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
@@ -537,9 +621,11 @@ def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
     for _ in range(start * cfg.accumulate):  # the data position: batches follow the step
         next(batches)
     weights = torch.tensor([cfg.decay ** j for j in range(cfg.ttt_steps)], dtype=torch.float64)
-    bar = tqdm(range(start, cfg.steps), total=cfg.steps, initial=start, disable=not show,
+    # advanced by hand after each step (a bar wrapped around the steps shows the count it
+    # last synced when set_postfix redraws it: 0/N throughout on fast steps)
+    bar = tqdm(total=cfg.steps, initial=start, disable=not show,
                desc=f"eagle3 draft, {'one process' if group is None else f'dp {cfg.dp} x cp {cp}'}")
-    for step in bar:
+    for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
         sums = train_step(target, draft, opt, [next(batches) for _ in range(cfg.accumulate)],
@@ -554,6 +640,7 @@ def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
                 float(sums[1, j] / sums[2, j]) if sums[2, j] > 0 else float("nan"))
         rates.append(cfg.batch * cfg.dp * cfg.accumulate * cfg.seqlen / (time.perf_counter() - t0))
         acc = history["step_accuracy"]
+        bar.update(1)
         bar.set_postfix(loss=f"{history['loss'][-1]:.4f}", acc0=f"{acc[0][-1]:.3f}",
                         acc_last=f"{acc[-1][-1]:.3f}")
         n = step + 1
@@ -561,10 +648,13 @@ def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
             per_step = " ".join(f"{history['step_loss'][j][-1]:.3f}" for j in range(cfg.ttt_steps))
             bar.write(f"step {n}: loss {history['loss'][-1]:.4f}; per TTT step loss {per_step}; "
                       f"accuracy {' '.join(f'{acc[j][-1]:.3f}' for j in range(cfg.ttt_steps))}")
-        if out_dir is not None and rank == 0 and (
-                (cfg.save_every and n % cfg.save_every == 0) or n == cfg.steps):
-            name = "checkpoint-last" if n == cfg.steps else f"checkpoint-{n}"
-            save_checkpoint(os.path.join(out_dir, name), draft, opt, scheduler, n, cfg, history)
+        if out_dir is not None and rank == 0:
+            # the last step is both checkpoint-<n> (when save_every divides it) and -last
+            names = ([f"checkpoint-{n}"] if cfg.save_every and n % cfg.save_every == 0 else []) \
+                + (["checkpoint-last"] if n == cfg.steps else [])
+            for name in names:
+                save_checkpoint(os.path.join(out_dir, name), draft, opt, scheduler, n, cfg,
+                                history)
             if n == cfg.steps:  # what servers load (SGLang / SpecForge, and vLLM's speculators)
                 verifier = cfg.target or save_random_target(target, os.path.join(out_dir, "target"))
                 for fmt in FORMATS:
@@ -623,7 +713,8 @@ def report_run(cfg: Eagle3Config, out_dir: str, *, prompts: int = 8) -> dict | N
     ``load_draft``, as a server reads it) on ``prompts`` held-out prompts, printed as mean
     accepted tokens per round and acceptance per draft position, then where the checkpoint
     and both exports are. Held out: synthetic rows from a seed training never draws; with
-    ``data``, the first 16 tokens of the conversations (the training rows themselves).
+    ``data`` (``offline``), the last ``cfg.held_out`` conversations (stored samples), which
+    training left out, each up to its first trained (assistant) token.
 
     Returns:
         ``evaluate.acceptance``'s dict (None with ``prompts`` 0).
@@ -644,8 +735,10 @@ def report_run(cfg: Eagle3Config, out_dir: str, *, prompts: int = 8) -> dict | N
         draft = load_draft(speculators).eval()
         result = acceptance(target, draft, _eval_prompts(cfg, prompts),
                             max_new_tokens=EVAL_NEW_TOKENS, draft_len=EVAL_DRAFT_LEN)
-        print(f"held-out speculative decoding ({prompts} prompts, {EVAL_NEW_TOKENS} new tokens, "
-              f"{EVAL_DRAFT_LEN} proposals per round, {result['rounds']} rounds): "
+        where = "synthetic rows" if cfg.data is None and cfg.offline is None else \
+            f"the last {prompts} conversations, not trained on"
+        print(f"held-out speculative decoding ({prompts} prompts: {where}; {EVAL_NEW_TOKENS} "
+              f"new tokens, {EVAL_DRAFT_LEN} proposals per round, {result['rounds']} rounds): "
               f"{result['mean_accepted_per_round']:.3f} tokens per round; acceptance per draft "
               f"position " + " ".join(f"{a:.3f}" for a in result["per_position"]), flush=True)
     print(f"checkpoint: {os.path.abspath(os.path.join(out_dir, 'checkpoint-last'))}\n"
@@ -655,19 +748,35 @@ def report_run(cfg: Eagle3Config, out_dir: str, *, prompts: int = 8) -> dict | N
 
 
 def _eval_prompts(cfg: Eagle3Config, n: int) -> list[torch.Tensor]:
-    """``n`` prompts of 16 tokens (fewer for shorter rows): held-out synthetic rows, or the
-    data's first rows."""
+    """``n`` prompts: 16 tokens (fewer for shorter rows) of held-out synthetic rows; with
+    data, the held-out conversations (``cfg.held_out`` of them, which must be ``n``), each
+    up to its first trained token (its first assistant turn is what the target generates),
+    or its first 16 tokens if it has none or starts with one."""
     length = min(16, cfg.seqlen)
     if cfg.data is not None or cfg.offline is not None:
-        rows = chat_rows(cfg)[1] if cfg.data is not None else offline_rows(cfg)[1]
-        return [ids[:length] for ids, _ in rows[:n]]
+        if cfg.held_out != n:
+            raise ValueError(f"{n} evaluation prompts asked for, but held_out={cfg.held_out} "
+                             f"conversations were left out of training")
+        held = (chat_rows if cfg.data is not None else offline_rows)(cfg, held_out=True)[1]
+        prompts = []
+        for ids, mask in held:
+            first = int(mask.nonzero()[0, 0]) if mask.any() else 0
+            prompts.append(ids[:first] if first > 0 else ids[:length])
+        return prompts
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + 99991)  # training draws seed*1000+17
     return list(torch.randint(cfg.vocab, (n, length), generator=gen))
 
 
+PROG = "python -m ringattn.apps.eagle3_train"
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ringattn.apps.eagle3_train",
-                                     description=__doc__.split("\n\n")[0])
+    """``python -m ringattn.apps.eagle3_train [options]``; see ``--help``.
+
+    Returns:
+        0 (bad arguments and paths exit with status 2 and one line, before any rank starts).
+    """
+    parser = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     d = Eagle3Config
     parser.add_argument("--world", type=int, default=2,
                         help="ranks to spawn (ignored under torchrun; default 2)")
@@ -719,7 +828,8 @@ def main(argv=None) -> int:
                         f"{d.strategy})")
     parser.add_argument("--eval-prompts", type=int, default=8,
                         help="held-out prompts of the closing speculative-decoding evaluation, "
-                        "0: none (default 8)")
+                        "0: none; with --data or --offline the last this many conversations, "
+                        "left out of training (default 8)")
     parser.add_argument("--resume", default=None,
                         help="a checkpoint directory to continue from, with --world or under "
                         "torchrun (default: start afresh)")
@@ -727,20 +837,26 @@ def main(argv=None) -> int:
                         help="directory for curves, checkpoints and the exported drafts "
                         "(default eagle3_out)")
     args = parser.parse_args(argv)
-    require_extra("demo", "python -m ringattn.apps.eagle3_train")
+    require_extra("demo", PROG)
     try:
+        if args.eval_prompts < 0:
+            raise ValueError(f"--eval-prompts must be >= 0, got {args.eval_prompts}")
+        chats = args.data is not None or args.offline is not None
         cfg = Eagle3Config(steps=args.steps, seqlen=args.seqlen, layout=args.layout, dp=args.dp,
                            target=args.target, data=args.data, pack=args.pack, batch=args.batch,
                            offline=args.offline, shard_target=args.shard_target,
                            accumulate=args.accumulate, draft_vocab=args.draft_vocab, lr=args.lr,
                            warmup=args.warmup, grad_clip=args.grad_clip, dtype=args.dtype,
                            save_every=args.save_every, strategy=args.strategy,
+                           held_out=args.eval_prompts if chats else 0,
                            pad=args.pad if args.pad is not None
                            else d.pad if d.pad < args.seqlen else args.seqlen // 4)
         torchrun = "LOCAL_RANK" in os.environ
         cfg.check_world(int(os.environ.get("WORLD_SIZE", 1)) if torchrun else args.world)
+        check_inputs(cfg, args.resume)
     except ValueError as exc:
-        parser.error(str(exc))
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     if torchrun:
         dist.init_process_group("gloo")
         try:

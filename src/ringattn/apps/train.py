@@ -49,7 +49,7 @@ from ..comm import hybrid_mesh, resolve_group
 from ..integrations import transformers as ra_hf
 from ..layouts import LAYOUTS
 from ..sharding import positions
-from . import require_extra
+from . import Parser, require_extra
 
 __all__ = [
     "TrainConfig", "build_model", "make_batches", "train", "spawn", "plot_curves",
@@ -348,11 +348,14 @@ def train(cfg: TrainConfig, *, group=None, attn_implementation: str | None = Non
     pos_L = positions(cfg.seqlen, group=pg, layout=cfg.layout) if cp else torch.arange(cfg.seqlen)
     show = progress and rank == 0
     what = f"ring attention, W={world}" if cp else f"one process ({attn})"
-    bar = tqdm(make_batches(cfg), total=cfg.steps, desc=what, disable=not show, leave=False)
+    # a bar advanced by hand: one wrapped around the batches counts a step only when its
+    # next batch is drawn and redraws at most every 0.1 s, while set_postfix redraws every
+    # step with the count it last synced (the bar sat at 0/N on fast steps)
+    bar = tqdm(total=cfg.steps, desc=what, disable=not show, leave=False)
     curves: dict[str, list[float]] = {"loss": [], "accuracy": [], "tokens_per_s": []}
     rss_start = _rss_mib()
     t_start = time.perf_counter()
-    for step, ids_BS in enumerate(bar, start=1):
+    for step, ids_BS in enumerate(make_batches(cfg), start=1):
         t0 = time.perf_counter()
         batch = {"input_ids": ids_BS, "labels": ids_BS}
         if cp:  # shard_batch shifts the labels on the global sequence and counts them globally
@@ -385,6 +388,7 @@ def train(cfg: TrainConfig, *, group=None, attn_implementation: str | None = Non
             curves.setdefault(key, []).append(value)
         curves["tokens_per_s"].append(cfg.batch * cfg.seqlen / (time.perf_counter() - t0))
         if show:
+            bar.update(1)
             bar.set_postfix(loss=f"{means['loss']:.4f}",
                             tok_s=f"{curves['tokens_per_s'][-1]:.0f}")
             if cfg.log_every and (step % cfg.log_every == 0 or step == cfg.steps):
@@ -647,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         0 (bad options exit through ``SystemExit(2)``).
     """
-    parser = argparse.ArgumentParser(prog="python -m ringattn.apps.train",
+    parser = Parser(prog="python -m ringattn.apps.train",
                                      description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)

@@ -542,3 +542,8 @@ def eagle3_step(draft: Eagle3Draft, tgt: TargetOutputs, *, steps: int = 7,
     sums = sums.cpu()  # the one host sync of the step
     accs = [float(c / n) if n > 0 else float("nan") for c, n in zip(sums[1], sums[2])]
     return StepResult(total, [float(x) for x in sums[0]], accs, sums)
+
+
+if __name__ == "__main__":  # a library module: name the programs, do not exit 0
+    from ringattn._program import not_a_program
+    not_a_program(__spec__)

@@ -181,3 +181,8 @@ class FlexKernel:
             gap = (do_BHSD * (out_b.float() - out.transpose(1, 2).float())).sum(-1)
             dq, dk, dv = torch.autograd.grad((c * gap).sum(), (q_, k_, v_))
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+if __name__ == "__main__":  # a library module: name the programs, do not exit 0
+    from ringattn._program import not_a_program
+    not_a_program(__spec__)

@@ -108,3 +108,8 @@ def get_kernel(name: str | Kernel | None, device: torch.device, dtype: torch.dty
         raise ValueError(f"kernel {kernel.name!r} cannot compute {sorted(missing)}; "
                          f"leave kernel=None to pick one that can")
     return kernel
+
+
+if __name__ == "__main__":  # a library module: name the programs, do not exit 0
+    from ringattn._program import not_a_program
+    not_a_program(__spec__)

@@ -406,3 +406,8 @@ def _auto(q, k, v, group, cost, kwargs) -> str:
     except (TypeError, ValueError):
         return "ring"  # the ring's validation reports the same problem on every rank
     return choose(shape, cost if cost is not None else measure(group))
+
+
+if __name__ == "__main__":  # a library module: name the programs, do not exit 0
+    from ringattn._program import not_a_program
+    not_a_program(__spec__)

@@ -1,0 +1,313 @@
+"""Every code block of every page in docs/ runs as printed (and the README's draft-by-hand
+block, which the README's own test does not run).
+
+A block runs verbatim; the names its page says are the reader's (a tokenizer, shards, a
+target directory) are made first, small. Blocks that need ranks run in ONE
+``torchrun --nproc-per-node 2`` launch (gloo CPU ranks), one after the other; the others run
+in this process. Shell blocks are checked by parsing them with the parser of the program
+they start. A block without an entry here fails ``test_every_block_is_covered``: a new
+block must be given its inputs and run.
+
+This file is also the script the ranks run (``python test_docs.py <workdir>``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+
+
+def blocks(page: Path) -> list[tuple[str, str]]:
+    """(language, code) of every fenced block of ``page``, in order."""
+    return FENCE.findall(page.read_text())
+
+
+def doc_blocks() -> dict[tuple[str, int], tuple[str, str]]:
+    """{(page name, index on the page): (language, code)} over docs/*.md."""
+    return {(page.name, i): block for page in sorted(DOCS.glob("*.md"))
+            for i, block in enumerate(blocks(page))}
+
+
+# --------------------------------------------------------------------------- the inputs
+
+SHAPE = dict(S=29, B=2, H=4, Hkv=2, D=8)
+
+
+def _shards(ns: dict, work: Path | None = None) -> None:
+    """q_l, k_l, v_l (README Usage), q, keys, values, valid_len (Eagle3 TTT step 1) and S."""
+    import torch
+    import torch.distributed as dist
+
+    import ringattn as ra
+
+    S, B, H, Hkv, D = (SHAPE[k] for k in ("S", "B", "H", "Hkv", "D"))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, S, h, D, generator=g) for h in (H, Hkv, Hkv))
+    ns.update(S=S, cp_group=dist.group.WORLD, valid_len=[S, S - 5])
+    ns["q_l"], ns["k_l"], ns["v_l"] = (ra.shard(t, layout="zigzag", seqlen=S) for t in (q, k, v))
+    ns["q"] = ns["q_l"]
+    ns["keys"] = [ra.shard(torch.randn(B, S, Hkv, D, generator=g), seqlen=S) for _ in range(2)]
+    ns["values"] = [ra.shard(torch.randn(B, S, Hkv, D, generator=g), seqlen=S) for _ in range(2)]
+
+
+def _varlen(ns: dict, work: Path | None = None) -> None:
+    """compat.md's varlen block: the whole packed sequence and its offsets."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    ns["cu_seqlens"] = torch.tensor([0, 1, 12, 30], dtype=torch.int32)
+    ns["max_seqlen"] = 18
+    ns["q"], ns["k"], ns["v"] = (torch.randn(30, h, 8, generator=g) for h in (4, 2, 2))
+
+
+def _strategies(ns: dict, work: Path) -> None:
+    """strategies.md: shards, a batch, and what RingTrainer takes."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
+
+    from ringattn.integrations import transformers as ra_hf
+
+    _shards(ns)
+    ids = torch.randint(50, (2, SHAPE["S"]), generator=torch.Generator().manual_seed(2))
+    ns["batch"] = {"input_ids": ids, "labels": ids}
+    ra_hf.register()
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    ns["model"] = AutoModelForCausalLM.from_config(config, attn_implementation="ringattn")
+    ns["targs"] = TrainingArguments(output_dir=str(work / "trainer"), use_cpu=True,
+                                    report_to=[], per_device_train_batch_size=1)
+    ns["ds"] = [{"input_ids": row, "labels": row} for row in ids]
+
+
+def _check_varlen(ns: dict) -> None:
+    assert ns["out_l"].shape == ns["q_l"].shape and ns["out_l"].isfinite().all()
+
+
+def _check_ttt(ns: dict) -> None:
+    assert ns["out"].shape == ns["q"].shape and ns["out"].isfinite().all()
+
+
+RANKED = {
+    ("compat.md", 0): (_varlen, _check_varlen),
+    ("compat.md", 1): (None, None),
+    ("compat.md", 2): (None, None),
+    ("eagle3.md", 0): (_shards, _check_ttt),
+    ("strategies.md", 0): (_strategies, None),
+}
+"""Blocks run on 2 ranks: (what makes their inputs, what checks their outputs)."""
+
+
+def _target_dir(work: Path) -> tuple[str, object]:
+    """A saved tiny Llama target with a chat tokenizer (``TARGET_DIR``) and the target."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from chat import chat_tokenizer
+    from ringattn.apps.eagle3_train import Eagle3Config, build_target
+    from ringattn.eagle3.target import load_target
+
+    path = work / "target"
+    if not (path / "config.json").is_file():
+        cfg = Eagle3Config(seqlen=24, vocab=40, draft_vocab=20, hidden=16, heads=4,
+                           kv_heads=2, intermediate=32, target_layers=4, pad=0)
+        build_target(cfg, "sdpa").save_pretrained(path)
+        chat_tokenizer().save_pretrained(path)
+    return str(path), load_target(str(path), attn_implementation="sdpa")
+
+
+def _draft(target):
+    import torch
+
+    from ringattn.apps.eagle3_train import Eagle3Config, build_draft
+
+    return build_draft(Eagle3Config(target="unused"), target, torch.arange(0, 40, 2))
+
+
+def _data(ns: dict, work: Path) -> None:
+    """eagle3_data.md: a target tokenizer of V >= 32000 words, and chats.jsonl."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from chat import WITH_BLOCKS, WORDS
+
+    from ringattn.apps.eagle3_demo import demo_tokenizer
+
+    tokenizer = demo_tokenizer(WORDS + [f"w{i}" for i in range(32_100)], WITH_BLOCKS)
+    ns.update(tokenizer=tokenizer, V=len(tokenizer))
+    with open("chats.jsonl", "w") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "how are you"},
+                                         {"role": "assistant", "content": "fine thanks"}]})
+                + "\n\n")
+        f.write(json.dumps({"conversations": [{"from": "human", "value": "what is two"},
+                                              {"from": "gpt", "value": "four w7 w31999"}]}) + "\n")
+
+
+def _evaluation(ns: dict, work: Path) -> None:
+    """eagle3.md's evaluation block: TARGET_DIR, a prompt, and OUT/draft-speculators."""
+    import torch
+
+    from ringattn.eagle3 import export_draft
+
+    target_dir, target = _target_dir(work)
+    export_draft(_draft(target), "OUT/draft-speculators", "speculators", target=target_dir)
+    ns.update(TARGET_DIR=target_dir, prompt=torch.tensor([5, 9, 11, 6]))
+
+
+def _sglang_load(ns: dict, work: Path) -> None:
+    """eagle3_formats.md's load_draft block: the target and OUT/draft-sglang."""
+    from ringattn.eagle3 import export_draft
+
+    _, target = _target_dir(work)
+    export_draft(_draft(target), "OUT/draft-sglang", "sglang", target=target)
+    ns["target"] = target
+
+
+def _by_hand(ns: dict, work: Path) -> None:
+    """README's draft-by-hand block: TARGET_DIR, two batches, the draft vocabulary."""
+    import torch
+
+    target_dir, _ = _target_dir(work)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(40, (2, 24), generator=g)
+    mask = torch.ones_like(ids)
+    ns.update(TARGET_DIR=target_dir, draft_ids=torch.arange(0, 40, 2),
+              batches=[{"input_ids": ids, "attention_mask": mask, "loss_mask": mask}] * 2)
+
+
+def _check_data(ns: dict) -> None:
+    assert len(ns["rows"]) == 1 and ns["draft_ids"].numel() == 32000
+    assert ns["t2d"].numel() == ns["V"]
+
+
+def _check_evaluation(ns: dict) -> None:
+    assert len(ns["new_ids"]) == 32 and ns["tokens_per_round"] >= 1
+
+
+def _check_by_hand(ns: dict) -> None:
+    import torch
+
+    want = ns["draft"].state_dict()
+    assert all(torch.equal(t, want[k]) for k, t in ns["again"].state_dict().items())
+
+
+LOCAL = {
+    ("eagle3.md", 1): (_evaluation, _check_evaluation),
+    ("eagle3_data.md", 0): (_data, _check_data),
+    ("eagle3_formats.md", 0): (_sglang_load, None),
+}
+"""Blocks run in one process: (what makes their inputs, what checks their outputs)."""
+
+
+def _torchrun_argv(code: str) -> list[list[str]]:
+    """The argument lists of the torchrun commands of a shell block (continuation lines
+    joined, comments dropped, $VARIABLES given values)."""
+    env = {"HEAD_NODE": "node0", "JOB_ID": "1"}
+    joined = code.replace("\\\n", " ")
+    out = []
+    for line in joined.splitlines():
+        words = shlex.split(re.sub(r"\$(\w+)", lambda m: env[m.group(1)], line), comments=True)
+        if words and words[0] == "torchrun":
+            out.append(words[1:])
+    return out
+
+
+SHELL = {("compat.md", 3)}
+"""Shell blocks: every command in them is a torchrun launch, parsed by torchrun's parser."""
+
+
+def _run_block(key, code: str, make, check, work: Path) -> None:
+    ns: dict = {"__name__": "__doc_block__"}
+    if make is not None:
+        make(ns, work)
+    try:
+        exec(compile(code, f"{key[0]} block {key[1]}", "exec"), ns)
+    except Exception as exc:
+        raise AssertionError(f"{key[0]} block {key[1]} does not run as printed: "
+                             f"{type(exc).__name__}: {exc}") from exc
+    if check is not None:
+        check(ns)
+
+
+# --------------------------------------------------------------------------- the tests
+
+
+def test_every_block_is_covered():
+    """Each block of docs/ is run here, by language: python on ranks or in one process,
+    shell through the launcher's parser; nothing is left out."""
+    found = doc_blocks()
+    covered = set(RANKED) | set(LOCAL) | SHELL
+    assert set(found) == covered, (sorted(set(found) - covered), sorted(covered - set(found)))
+    for key in set(RANKED) | set(LOCAL):
+        assert found[key][0] == "python", key
+    for key in SHELL:
+        assert found[key][0] in ("sh", "bash"), key
+
+
+@pytest.mark.timeout(120)
+def test_shell_blocks_parse():
+    from torch.distributed.run import get_args_parser
+
+    found = doc_blocks()
+    for key in sorted(SHELL):
+        commands = _torchrun_argv(found[key][1])
+        assert commands, key
+        for argv in commands:
+            args = get_args_parser().parse_args(argv)
+            assert args.training_script == "train.py" and args.nnodes and args.rdzv_id, key
+
+
+@pytest.mark.timeout(180)
+def test_local_blocks_run_as_printed(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    found = doc_blocks()
+    for key, (make, check) in sorted(LOCAL.items()):
+        _run_block(key, found[key][1], make, check, tmp_path)
+    readme = [code for lang, code in blocks(ROOT / "README.md") if lang == "python"]
+    by_hand = [code for code in readme if "build_draft(cfg, target, draft_ids)" in code]
+    assert len(by_hand) == 1
+    _run_block(("README.md", "draft by hand"), by_hand[0], _by_hand, _check_by_hand, tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_ranked_blocks_run_as_printed_on_two_ranks(tmp_path):
+    """One torchrun launch on 2 gloo ranks runs every block that needs ranks."""
+    pytest.importorskip("transformers")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         __file__, str(tmp_path)], capture_output=True, text=True, timeout=280, cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    ran = sorted(p.name for p in tmp_path.glob("ran.*"))
+    assert ran == ["ran.0", "ran.1"], ran
+    for name in ran:
+        assert (tmp_path / name).read_text().split() == [f"{p}:{i}" for p, i in sorted(RANKED)]
+
+
+def _rank_main(work: Path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    os.chdir(work)
+    found = doc_blocks()
+    done = []
+    try:
+        for key, (make, check) in sorted(RANKED.items()):
+            _run_block(key, found[key][1], make, check, work)
+            done.append(f"{key[0]}:{key[1]}")
+        (work / f"ran.{rank}").write_text("\n".join(done) + "\n")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _rank_main(Path(sys.argv[1]))
