@@ -512,10 +512,10 @@ class UlyssesAttention(_Attention):
                 ([H]): flash-attn's, in global positions. deterministic,
                 return_attn_probs: accepted (the output alone is returned, as yunchang).
             seqlen: ringattn's addition, the global S. None: S is the sum of the ranks'
-                local lengths, found by one small all-gather of them (a round trip each
+                local lengths, found by one small agreement of them (a round trip each
                 call); given (the same on every rank), nothing is exchanged before the
-                attention's own agreement (then a dropout_p that only some ranks pass is
-                refused on those ranks alone).
+                attention's own agreement, which also carries this module's refusals
+                (dropout, a shard of another split), so every rank raises them.
 
         Returns:
             out [B, L, H, D] in query's dtype.
@@ -589,10 +589,10 @@ class LongContextAttention(_Attention):
                 ([H]): flash-attn's, in global positions. deterministic,
                 return_attn_probs: accepted (the output alone is returned, as yunchang).
             seqlen: ringattn's addition, the global S. None: S is the sum of the ranks'
-                local lengths, found by one small all-gather of them (a round trip each
+                local lengths, found by one small agreement of them (a round trip each
                 call); given (the same on every rank), nothing is exchanged before the
-                attention's own agreement (then a dropout_p that only some ranks pass is
-                refused on those ranks alone).
+                attention's own agreement, which also carries this module's refusals
+                (dropout, a shard of another split), so every rank raises them.
 
         Returns:
             out [B, L, H, D] in query's dtype.
