@@ -3,7 +3,8 @@ DeviceMesh, the ring across its "ring" dimension) on 2x2 (4 gloo ranks) and 2x3 
 meshes (6 ranks). Exact on every rank against the float64 oracle with the cases of
 test_exact.py and test_features.py (every layout; causal, full, windows, documents, a
 head-dependent mask; MHA, GQA, MQA, U > Hkv, H not divisible by U; S divisible by nothing),
-with the shards ``ra.shard`` makes for the default group; its collectives; its errors."""
+with the shards ``ra.shard`` makes for the default group; its collectives; its errors; meshes
+that ``ra.hybrid_mesh(group=...)`` makes over subgroups, called by their ranks alone."""
 
 import pytest
 import torch
@@ -183,3 +184,104 @@ def test_memory_contract(clusters):
     for rank, (largest, local_q) in enumerate(
             clusters(4).run(largest_hybrid_tensor, 2048, timeout=100)):
         assert largest <= local_q, (rank, largest, local_q)
+
+
+def attend_on(mesh, seed, compiled=False):
+    """Rank side: worst relative error (out, dq, dk, dv) against float64 of one causal,
+    zigzag fp32 hybrid call on ``mesh`` (H = 4, Hkv = 2), whose ranks all use the data of
+    ``seed``; ``compiled``: the call runs under torch.compile(fullgraph=True)."""
+    from reference import reference, rel_err, visible
+
+    g = torch.Generator().manual_seed(seed)
+    s = 23
+    q, do = (torch.randn(2, s, 4, 16, generator=g) for _ in range(2))
+    k, v = (torch.randn(2, s, 2, 16, generator=g) for _ in range(2))
+    refs = reference(q, k, v, do, visible(s, True, (-1, -1)))
+    kw = dict(group=mesh, layout="zigzag", seqlen=s)
+
+    def attend(q_l, k_l, v_l):
+        return ra.hybrid_attention(q_l, k_l, v_l, causal=True, **kw)
+
+    if compiled:
+        attend = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_l = attend(*(ra.shard(t, **kw) for t in leaves))
+    out = ra.unshard(out_l, **kw)
+    (out * do).sum().backward()
+    return max(rel_err(x, r) for x, r in zip([out] + [t.grad for t in leaves],
+                                             [refs[0]] + list(refs[2:])))
+
+
+def whole_job_new_group():
+    """Rank side: the job's next dist.new_group over every rank, and one all-reduce on it
+    (a group made out of step on some rank hangs here, or sums wrongly)."""
+    world = dist.get_world_size()
+    t = torch.ones(1)
+    dist.all_reduce(t, group=dist.new_group(list(range(world))))
+    return int(t.item()) == world
+
+
+def subgroup_meshes(ulysses, uneven):
+    """Rank side, W = 4: the disjoint groups [0, 1] and [2, 3] each make their hybrid mesh
+    (called by the group's ranks only) and attend on it; then the whole job's next
+    new_group. ``uneven``: ranks 0 and 2 first join a group that 1 and 3 do not (torch
+    names a group made by its ranks alone after how many groups each member holds)."""
+    subs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank, as torch asks
+    if uneven:
+        dist.new_group([0, 2])
+    sub = subs[dist.get_rank() // 2]
+    mesh = ra.hybrid_mesh(group=sub, ulysses=ulysses)
+    err = attend_on(mesh, seed=dist.get_rank() // 2)
+    members = mesh.mesh.tolist()
+    again = attend_on(mesh, seed=dist.get_rank() // 2)  # the mesh's groups, found again
+    return err, again, members, whole_job_new_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ulysses,uneven", [(2, False), (1, True)])
+def test_meshes_of_disjoint_subgroups(clusters, ulysses, uneven):
+    for rank, (err, again, members, after) in enumerate(
+            clusters(4).run(subgroup_meshes, ulysses, uneven, timeout=60)):
+        own = [0, 1] if rank < 2 else [2, 3]
+        assert members == ([own] if ulysses == 2 else [[r] for r in own]), (rank, members)
+        assert err <= 1e-5 and again <= 1e-5, (rank, err, again)
+        assert after, rank
+
+
+def one_subgroup_mesh():
+    """Rank side, W = 4: ranks 0 and 1 make a 1 x 2 hybrid mesh over their group and attend;
+    ranks 2 and 3 do nothing with ringattn (an all-reduce of their own). Then a rank
+    outside the group and ranks that disagree on ulysses are refused by name; then the
+    whole job's next new_group."""
+    subs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    rank = dist.get_rank()
+    out = {}
+    if rank < 2:
+        out["err"] = attend_on(ra.hybrid_mesh(group=subs[0], ulysses=2), seed=5)
+    else:
+        t = torch.ones(1)
+        dist.all_reduce(t, group=subs[1])
+        out["err"] = 0.0 if t.item() == 2 else float("inf")
+    calls = [("disagree", lambda: ra.hybrid_mesh(group=subs[rank // 2], ulysses=1 + rank % 2))]
+    if rank in (0, 2):  # a rank outside the group it passes (alone: no peer waits for it)
+        calls.append(("outsider", lambda: ra.hybrid_mesh(group=subs[1 - rank // 2], ulysses=1)))
+    for name, call in calls:
+        try:
+            call()
+            out[name] = "no error"
+        except ValueError as exc:
+            out[name] = str(exc)
+    out["after"] = whole_job_new_group()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_mesh_of_one_subgroup_while_others_do_something_else(clusters):
+    for rank, res in enumerate(clusters(4).run(one_subgroup_mesh, timeout=60)):
+        assert res["err"] <= 1e-5, (rank, res)
+        if rank in (0, 2):
+            assert "not a member of the group" in res["outsider"], (rank, res)
+        own = 2 * (rank // 2)
+        assert "disagree on ulysses" in res["disagree"], (rank, res)
+        assert f"rank {own} passes 1, rank {own + 1} passes 2" in res["disagree"], (rank, res)
+        assert res["after"], rank
