@@ -114,7 +114,10 @@ def _device_mesh_type():
 def _real(obj):
     """``obj``, or the object a FakeScriptObject stands for: torch.compile treats a
     DeviceMesh as an opaque object and hands the code it traces (an op's fake kernel, and
-    the op itself through the key ``group_key`` made while tracing) such a wrapper of it."""
+    the op itself through the key ``group_key`` made while tracing) such a wrapper of it.
+    Code that dynamo itself traces sees the mesh as dynamo shows it, and is left alone."""
+    if torch.compiler.is_dynamo_compiling():
+        return obj
     try:
         from torch._library.fake_class_registry import FakeScriptObject
     except ImportError:  # torch without opaque objects never wraps a mesh
@@ -272,8 +275,9 @@ def hybrid_mesh(group=None, ulysses: int = 8):
     all its ranks (shard order: its group ranks).
 
     Raises:
-        ValueError: on every rank of the group, ``ulysses`` is not a divisor of the group's
-            size or differs between its ranks; on a rank outside ``group``, that.
+        ValueError: on every rank of the group: ``ulysses`` is not a divisor of the group's
+            size, or differs between its ranks. On a rank outside the group (which holds
+            ``GroupMember.NON_GROUP_MEMBER`` for it): that it is not a member.
         PeerError: a rank of the group did not make the call within ``get_timeout()``.
     """
     from torch.distributed.device_mesh import DeviceMesh
@@ -281,13 +285,14 @@ def hybrid_mesh(group=None, ulysses: int = 8):
     pg = resolve_group(group)
     world, me = dist.get_world_size(pg), dist.get_rank(pg)
     ranks = [dist.get_global_rank(pg, r) for r in range(world)]
-    given = ulysses if type(ulysses) is int and -2**62 < ulysses < 2**62 else -1
+    ok = isinstance(ulysses, int) and not isinstance(ulysses, bool) and abs(ulysses) < 2**62
+    given = ulysses if ok else -2**63
     count = _group_count()
     if world > 1:  # one exchange: the same ulysses everywhere, and the groups' names
         rows = _gather_ints(pg, [given, count], "hybrid_mesh's check of ulysses")
         if any(row[0] != rows[0][0] for row in rows):
             raise ValueError("hybrid_mesh: the group's ranks disagree on ulysses: " + ", ".join(
-                f"rank {ranks[r]} passes {'no int' if row[0] == -1 else row[0]}"
+                f"rank {ranks[r]} passes {'no int' if row[0] == -2**63 else row[0]}"
                 for r, row in enumerate(rows)))
         count = max(row[1] for row in rows)
     if given < 1 or world % given:

@@ -16,7 +16,6 @@ Legend: B batch, L local seq (S_pad / W), S global seq, H heads, Hkv kv heads, D
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import math
@@ -447,18 +446,29 @@ _CALLER_ERROR: contextvars.ContextVar = contextvars.ContextVar("ringattn_caller_
                                                                default=None)
 
 
-@contextlib.contextmanager
-def caller_error(error: Exception | None):
-    """Inside this block, the next ringattn call's agreement reports ``error`` (a
-    TypeError/ValueError that a wrapper found in its own arguments on this rank, or None)
-    on every rank, as if that call's own checks had raised it: a wrapper's checks (the
-    compat layers' ``dropout_p``, a shard's tag) never raise on some ranks alone while the
-    others wait in a collective."""
-    token = _CALLER_ERROR.set(error)
-    try:
-        yield
-    finally:
-        _CALLER_ERROR.reset(token)
+class caller_error:
+    """``with caller_error(error):`` the next ringattn call's agreement inside reports
+    ``error`` (a TypeError/ValueError that a wrapper found in its own arguments on this
+    rank, or None) on every rank, as if that call's own checks had raised it: a wrapper's
+    checks (the compat layers' ``dropout_p``, a shard's tag) never raise on some ranks
+    alone while the others wait in a collective. With None it does nothing (so compiled
+    code traces through it); under torch.compile's tracing an error is raised at once."""
+
+    def __init__(self, error: Exception | None):
+        self.error, self._token = error, None
+
+    def __enter__(self):
+        if self.error is not None:
+            if torch.compiler.is_compiling():
+                raise self.error
+            self._token = _CALLER_ERROR.set(self.error)
+        return self
+
+    def __exit__(self, *exc_info):
+        if self._token is not None:
+            _CALLER_ERROR.reset(self._token)
+            self._token = None
+        return False
 
 
 def agreed(q, k, v, group, extra_fields, extra_check, *, plan_ring=False, planner=None,
