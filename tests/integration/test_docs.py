@@ -1,5 +1,6 @@
-"""Every code block of every page in docs/ runs as printed (and the README's draft-by-hand
-block, which the README's own test does not run).
+"""Every code block of every page in docs/ runs as printed, and so do two README blocks (the
+Eagle3 step under CP, on ranks, and the draft built by hand); every README ```python block
+is run by some test (``README_BLOCKS`` says which; ``test_every_readme_block_is_covered``).
 
 A block runs verbatim; the names its page says are the reader's (a tokenizer, shards, a
 target directory) are made first, small. Blocks that need ranks run in ONE
@@ -25,7 +26,29 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
+README = ROOT / "README.md"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+
+README_BLOCKS = {
+    "import torch, torch.distributed as dist": "tests/integration/test_readme.py",
+    "ra.masks.from_function(": "tests/integration/test_readme.py",
+    "local = ra_hf.prepare_batch(model, batch, group=cp_group)":
+        "tests/integration/test_transformers.py",
+    'mesh = init_device_mesh(device, (dp, cp), mesh_dim_names=("dp", "cp"))':
+        "tests/integration/test_fsdp_cp.py",
+    "trainer = RingTrainer(model=model, args=args": "tests/integration/test_trainer.py",
+    'mesh = ra.hybrid_mesh(ulysses=int(os.environ["LOCAL_WORLD_SIZE"]))':
+        "tests/integration/test_multinode.py",
+    "tgt = ra.eagle3.run_target(target, batch, group=cp_group)": "tests/integration/test_docs.py",
+    "from vllm import LLM, SamplingParams": "tests/serving/test_vllm.py",
+    "draft = build_draft(cfg, target, draft_ids)": "tests/integration/test_docs.py",
+}
+"""Every README ```python block, by a line only it has: the test that runs it as printed. A
+README block without an entry fails ``test_every_readme_block_is_covered``."""
+README_HERE = {("README.md", "draft-by-hand"): "draft = build_draft(cfg, target, draft_ids)",
+               ("README.md", "eagle3-under-CP"):
+                   "tgt = ra.eagle3.run_target(target, batch, group=cp_group)"}
+"""The README blocks this file runs, by key: the line that finds each."""
 
 
 def blocks(page: Path) -> list[tuple[str, str]]:
@@ -37,6 +60,26 @@ def doc_blocks() -> dict[tuple[str, int], tuple[str, str]]:
     """{(page name, index on the page): (language, code)} over docs/*.md."""
     return {(page.name, i): block for page in sorted(DOCS.glob("*.md"))
             for i, block in enumerate(blocks(page))}
+
+
+def readme_python() -> list[str]:
+    """The code of every ```python block of the README, in order."""
+    return [code for lang, code in blocks(README) if lang == "python"]
+
+
+def readme_block(line: str) -> str:
+    """The one README ```python block that holds ``line``."""
+    found = [code for code in readme_python() if line in code]
+    assert len(found) == 1, (line, len(found))
+    return found[0]
+
+
+def all_blocks() -> dict:
+    """``doc_blocks()`` and the README blocks of ``README_HERE``, by key."""
+    found = doc_blocks()
+    for key, line in README_HERE.items():
+        found[key] = ("python", readme_block(line))
+    return found
 
 
 # --------------------------------------------------------------------------- the inputs
@@ -90,6 +133,53 @@ def _strategies(ns: dict, work: Path) -> None:
     ns["ds"] = [{"input_ids": row, "labels": row} for row in ids]
 
 
+def _eagle3_cp(ns: dict, work: Path) -> None:
+    """README's Eagle3-under-CP block: a target with ring attention, a draft, a global batch
+    (S=23: not a multiple of 2W; a right-padded row), the CP group; and the same target
+    (sdpa) and draft for the one-process step the check compares with."""
+    import torch
+    import torch.distributed as dist
+
+    import ringattn as ra
+    from ringattn.apps.eagle3_train import build_target
+
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(40, (2, 23), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 17:] = 0
+    loss_mask = mask.clone()
+    loss_mask[:, :3] = 0
+    target, one = build_target(_target_cfg(), "ringattn"), build_target(_target_cfg(), "sdpa")
+    ns.update(ra=ra, target=target, draft=_draft(target), cp_group=dist.group.WORLD,
+              batch={"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask},
+              _one=(one, _draft(one)))
+
+
+def _check_eagle3_cp(ns: dict) -> None:
+    """Per-step losses, accuracies and the CP-summed draft gradients equal one process."""
+    import torch
+    import torch.distributed as dist
+
+    from ringattn.eagle3 import eagle3_step, run_target
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from reference import FP32_TOL, rel_err
+
+    target, draft = ns["_one"]
+    one = eagle3_step(draft, run_target(target, ns["batch"]), steps=7)
+    one.loss.backward()
+    res = ns["res"]
+    same = [a == b or (a != a and b != b) for a, b in zip(res.accuracies, one.accuracies)]
+    assert len(res.losses) == len(same) == 7 and all(same), (res.accuracies, one.accuracies)
+    for a, b in zip(res.losses, one.losses):
+        assert abs(a - b) <= FP32_TOL * abs(b), (res.losses, one.losses)
+    for (name, p), p1 in zip(ns["draft"].named_parameters(), draft.parameters()):
+        if p.requires_grad:
+            grad = p.grad.clone()
+            dist.all_reduce(grad)
+            assert rel_err(grad.double(), p1.grad.double()) <= FP32_TOL, name
+
+
 def _check_varlen(ns: dict) -> None:
     assert ns["out_l"].shape == ns["q_l"].shape and ns["out_l"].isfinite().all()
 
@@ -104,22 +194,28 @@ RANKED = {
     ("compat.md", 2): (None, None),
     ("eagle3.md", 0): (_shards, _check_ttt),
     ("strategies.md", 0): (_strategies, None),
+    ("README.md", "eagle3-under-CP"): (_eagle3_cp, _check_eagle3_cp),
 }
 """Blocks run on 2 ranks: (what makes their inputs, what checks their outputs)."""
+
+
+def _target_cfg():
+    from ringattn.apps.eagle3_train import Eagle3Config
+
+    return Eagle3Config(seqlen=24, vocab=40, draft_vocab=20, hidden=16, heads=4, kv_heads=2,
+                        intermediate=32, target_layers=4, pad=0)
 
 
 def _target_dir(work: Path) -> tuple[str, object]:
     """A saved tiny Llama target with a chat tokenizer (``TARGET_DIR``) and the target."""
     sys.path.insert(0, str(ROOT / "tests"))
     from chat import chat_tokenizer
-    from ringattn.apps.eagle3_train import Eagle3Config, build_target
+    from ringattn.apps.eagle3_train import build_target
     from ringattn.eagle3.target import load_target
 
     path = work / "target"
     if not (path / "config.json").is_file():
-        cfg = Eagle3Config(seqlen=24, vocab=40, draft_vocab=20, hidden=16, heads=4,
-                           kv_heads=2, intermediate=32, target_layers=4, pad=0)
-        build_target(cfg, "sdpa").save_pretrained(path)
+        build_target(_target_cfg(), "sdpa").save_pretrained(path)
         chat_tokenizer().save_pretrained(path)
     return str(path), load_target(str(path), attn_implementation="sdpa")
 
@@ -201,6 +297,7 @@ LOCAL = {
     ("eagle3.md", 1): (_evaluation, _check_evaluation),
     ("eagle3_data.md", 0): (_data, _check_data),
     ("eagle3_formats.md", 0): (_sglang_load, None),
+    ("README.md", "draft-by-hand"): (_by_hand, _check_by_hand),
 }
 """Blocks run in one process: (what makes their inputs, what checks their outputs)."""
 
@@ -239,15 +336,31 @@ def _run_block(key, code: str, make, check, work: Path) -> None:
 
 
 def test_every_block_is_covered():
-    """Each block of docs/ is run here, by language: python on ranks or in one process,
-    shell through the launcher's parser; nothing is left out."""
-    found = doc_blocks()
+    """Each block of docs/ (and of ``README_HERE``) is run here, by language: python on ranks
+    or in one process, shell through the launcher's parser; nothing is left out."""
+    found = all_blocks()
     covered = set(RANKED) | set(LOCAL) | SHELL
     assert set(found) == covered, (sorted(set(found) - covered), sorted(covered - set(found)))
     for key in set(RANKED) | set(LOCAL):
         assert found[key][0] == "python", key
     for key in SHELL:
         assert found[key][0] in ("sh", "bash"), key
+
+
+def test_every_readme_block_is_covered():
+    """Each ```python block of the README has one entry of ``README_BLOCKS``, naming a test
+    that reads the README; a new block without one fails here."""
+    code = readme_python()
+    for i, block in enumerate(code):
+        lines = [line for line in README_BLOCKS if line in block]
+        assert len(lines) == 1, (f"README python block {i} (starting {block[:60]!r}) is matched "
+                                 f"by {lines}: give it one line in README_BLOCKS and a test "
+                                 f"that runs it as printed")
+    for line, test in README_BLOCKS.items():
+        assert sum(line in block for block in code) == 1, line
+        assert "README" in (ROOT / test).read_text(), test
+    for key, line in README_HERE.items():
+        assert README_BLOCKS[line] == "tests/integration/test_docs.py", key
 
 
 @pytest.mark.timeout(120)
@@ -267,13 +380,9 @@ def test_shell_blocks_parse():
 def test_local_blocks_run_as_printed(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     monkeypatch.chdir(tmp_path)
-    found = doc_blocks()
+    found = all_blocks()
     for key, (make, check) in sorted(LOCAL.items()):
         _run_block(key, found[key][1], make, check, tmp_path)
-    readme = [code for lang, code in blocks(ROOT / "README.md") if lang == "python"]
-    by_hand = [code for code in readme if "build_draft(cfg, target, draft_ids)" in code]
-    assert len(by_hand) == 1
-    _run_block(("README.md", "draft by hand"), by_hand[0], _by_hand, _check_by_hand, tmp_path)
 
 
 @pytest.mark.timeout(300)
@@ -297,7 +406,7 @@ def _rank_main(work: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     os.chdir(work)
-    found = doc_blocks()
+    found = all_blocks()
     done = []
     try:
         for key, (make, check) in sorted(RANKED.items()):

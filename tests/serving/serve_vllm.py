@@ -16,11 +16,17 @@ The proposals are observed, not changed: the engine core runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and the model runner's ``propose_draft_token_ids`` is
 wrapped to keep what it returns. One prompt at a time, so each call's one row is that
 prompt's round.
+
+A plan with ``"readme": {"dir": DIR, "target": DIR, "ids": [...]}`` also runs the README's
+vLLM block as printed (read from README.md), in ``dir`` (which holds
+``OUT/draft-speculators``), with ``TARGET_DIR`` and ``ids`` given; its output's token ids are
+the result's ``"readme"``.
 """
 
 import argparse
 import json
 import os
+from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -28,6 +34,32 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 K = 3
 """Speculative tokens per round."""
+README = Path(__file__).resolve().parents[2] / "README.md"
+MARKER = "from vllm import LLM, SamplingParams"
+"""The first line of the README's vLLM block (and of no other block)."""
+
+
+def readme_block() -> str:
+    """The README's ```python block that holds ``MARKER``, verbatim."""
+    text = README.read_text()
+    at = text.index(MARKER)
+    start = text.rindex("```python\n", 0, at) + len("```python\n")
+    return text[start:text.index("```", start)]
+
+
+def serve_readme(run: dict) -> list[int]:
+    """The README's vLLM block as printed, in ``run["dir"]`` (relative paths such as
+    ``OUT/draft-speculators`` are the reader's working directory): the generated ids."""
+    names = {"TARGET_DIR": run["target"], "ids": run["ids"]}
+    here = os.getcwd()
+    os.chdir(run["dir"])
+    try:
+        exec(compile(readme_block(), "README.md (vLLM block)", "exec"), names)
+    finally:
+        os.chdir(here)
+    ids = list(names["out"][0].outputs[0].token_ids)
+    names["llm"].llm_engine.engine_core.shutdown()
+    return ids
 
 
 def _record_proposals(rounds: list):
@@ -87,6 +119,8 @@ def main() -> int:
     _record_proposals(rounds)
     results = {run["name"]: serve(run, plan["prompts"], plan["max_tokens"], rounds)
                for run in plan["runs"]}
+    if plan.get("readme"):
+        results["readme"] = serve_readme(plan["readme"])
     with open(args.out, "w") as f:
         json.dump(results, f)
     return 0

@@ -13,6 +13,12 @@ For a 4-layer and an 8-layer target and a whole-vocabulary draft:
 4. asserted: vLLM's output is the target's greedy output; in every round vLLM proposes what
    ``speculative_generate`` (with the draft read back by ``load_draft``) proposes; the
    trained draft is accepted more often than the untrained one.
+
+The README's vLLM block runs as printed too (``serve_vllm.py`` reads it from README.md), on
+the 4-layer case: ``TARGET_DIR`` its target (saved with a word-level tokenizer, which the
+block's ``LLM`` loads), ``OUT`` the training run's output directory (the block's
+``OUT/draft-speculators`` is the export the run wrote), ``ids`` a prompt; its output must be
+the target's greedy continuation.
 """
 
 import json
@@ -64,6 +70,20 @@ def accepted_per_round(proposals: list[list[int]], output: list[int]) -> list[in
     return per_round
 
 
+README_CASE = "4-layer"
+"""The case the README's vLLM block serves."""
+
+
+def _tokenizer(vocab: int):
+    """A word-level tokenizer of exactly ``vocab`` ids and no end-of-sequence token (so
+    vLLM stops at ``max_tokens`` only), for the README block's ``LLM``, which loads one."""
+    from ringattn.apps.eagle3_demo import demo_tokenizer
+
+    tok = demo_tokenizer([f"w{i}" for i in range(vocab - 5)])  # <unk> and 4 specials first
+    assert len(tok) == vocab and tok.eos_token_id is None
+    return tok
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """Train, export and serve every case; vLLM's results and ours, per case."""
@@ -75,9 +95,11 @@ def served(tmp_path_factory):
         # the target's RoPE table (seqlen + TTT steps) must cover prompt + output in vLLM
         target = build_target(Eagle3Config(**SIZES, **sizes, seqlen=89), "sdpa")
         target.save_pretrained(target_dir)
+        if name == README_CASE:
+            _tokenizer(SIZES["vocab"]).save_pretrained(target_dir)
         cfg = Eagle3Config(**SIZES, **sizes, **TRAIN, target=target_dir)
-        spawn_eagle3(cfg, world=2, progress=False, out_dir=str(base / "run"))
-        trained = str(base / "run" / "draft-speculators")
+        spawn_eagle3(cfg, world=2, progress=False, out_dir=str(base / "OUT"))
+        trained = str(base / "OUT" / "draft-speculators")
         untrained = str(base / "untrained")
         draft_ids = load_draft(trained).draft_ids
         export_draft(build_draft(cfg, target, draft_ids), untrained, "speculators",
@@ -86,8 +108,11 @@ def served(tmp_path_factory):
         runs += [{"name": f"{name}/trained", "target": target_dir, "draft": trained},
                  {"name": f"{name}/untrained", "target": target_dir, "draft": untrained},
                  {"name": f"{name}/as-model", "draft": trained, "as_model": True}]
+    readme = {"dir": str(root / README_CASE), "target": cases[README_CASE]["target"],
+              "ids": PROMPTS[0]}
     plan = root / "plan.json"
-    plan.write_text(json.dumps({"prompts": PROMPTS, "max_tokens": NEW, "runs": runs}))
+    plan.write_text(json.dumps({"prompts": PROMPTS, "max_tokens": NEW, "runs": runs,
+                                "readme": readme}))
     out = root / "vllm.json"
     proc = subprocess.run([SERVING_PYTHON, os.path.join(HERE, "serve_vllm.py"), str(plan),
                            str(out)], capture_output=True, text=True, timeout=1800)
@@ -117,6 +142,20 @@ def ours(case: dict, which: str):
             evaluate._propose = original
         results.append((out, rounds, per_round))
     return results
+
+
+@pytest.mark.timeout(3600)
+def test_readme_block_serves_the_target_greedy_output(served):
+    """The README's vLLM block, run as printed, generates the target's greedy tokens."""
+    cases, vllm = served
+    got = vllm["readme"]
+    assert got, vllm["readme"]
+    target = load_target(cases[README_CASE]["target"], attn_implementation="eager")
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        for _ in got:
+            ids = torch.cat([ids, target(input_ids=ids).logits[:, -1:].argmax(-1)], 1)
+    assert got == ids[0, len(PROMPTS[0]):].tolist()
 
 
 def mean(xs):
