@@ -532,7 +532,9 @@ def agreed(q, k, v, group, extra_fields, extra_check, *, plan_ring=False, planne
                 f"purpose: ringattn.comm.set_caller_check(False) on every rank)")
 
     try:
-        last = agree(pg, fields, error, describe, reduce=("last_step",), chained=(
+        own = [f for f in extra_fields if f not in FIELD_NAMES]  # e.g. Eagle3's key sets
+        what = "an attention call" + (f" with {', '.join(own)}" if own else "")
+        last = agree(pg, fields, error, describe, reduce=("last_step",), what=what, chained=(
             ("mask_view", "mask_next_view",
              "the mask (it evaluates differently on their processes: a mask function that "
              "reads rank-local data? build it from the same values on every rank) on the "

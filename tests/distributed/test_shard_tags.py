@@ -92,6 +92,10 @@ def kinds_out_of_step():
     messages.append(_message(
         (lambda: ra.ulysses_attention(local, local, local, causal=True)) if rank == 0
         else (lambda: ra.ring_attention(local, local, local, causal=True))))
+    # rank 0: an Eagle3 TTT step over two key sets; the others: a plain attention call
+    messages.append(_message(
+        (lambda: ra.eagle3.ttt_attention(local, [local, local], [local, local])) if rank == 0
+        else (lambda: ra.ring_attention(local, local, local, causal=True))))
     # then the same calls on every rank work again, exactly
     out = ra.unshard(ra.ring_attention(local, local, local, causal=True))
     ref = torch.nn.functional.scaled_dot_product_attention(
@@ -104,11 +108,13 @@ def kinds_out_of_step():
 def test_calls_of_different_kinds_meet(clusters, world):
     per_rank = clusters(world).run(kinds_out_of_step, timeout=150)
     for rank, (messages, err) in enumerate(per_rank):
-        first, second, third = messages
+        first, second, third, fourth = messages
         assert first[0] == "ValueError" and "out of step" in first[1], (rank, first)
         assert "rank 0 is in an attention call" in first[1] and "in unshard" in first[1], first
         assert "rank 0 is in shard" in second[1] and "in unshard" in second[1], second
         assert third[0] == "ValueError" and "disagree on strategy" in third[1], (rank, third)
+        assert ("rank 0 is in an attention call with ttt_key_sets" in fourth[1]
+                and "in an attention call (" in fourth[1]), (rank, fourth)
         assert err < 1e-5, (rank, err)
 
 
