@@ -1,0 +1,315 @@
+"""ModelOpt's Eagle3 training under context parallelism (ringattn.integrations.modelopt)
+equals ModelOpt's OWN one-process training, and ModelOpt's own CP does not.
+
+Target: a tiny random Llama (hidden 64, 2 layers, 4 heads / 2 KV heads, vocabulary 128);
+ModelOpt 0.47's ``EAGLE3_DEFAULT_CFG`` (3 TTT steps, decay 0.9) with the draft's heads matched
+to the target and ``eagle_use_torch_compile=False``. Data: S = 13 (not a multiple of 2W for
+W = 2, 3), three right-padded rows of 13, 9 and 11 tokens, a new batch per step; 5 SGD steps
+(lr 1), fp32. The reference is ``HFEagleModel`` itself in one process (the rotary fix that
+transformers 5.24 needs is the one line docs/modelopt.md gives ModelOpt users).
+
+Tolerance 1e-5 relative (``FP32_TOL``): the ring and the global sums reorder float32
+additions; the measured errors are about 2e-7 (losses) and 2e-6 (per-parameter gradients).
+SGD, not AdamW: Adam's first updates are about lr * sign(g), and the sign of a near-zero
+gradient element is decided by rounding, so later steps would drift far above it.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+import modelopt.torch.speculative as mtsp
+from modelopt.torch.speculative.config import EAGLE3_DEFAULT_CFG
+from modelopt.torch.speculative.utils import get_ttt_msk_func
+
+from reference import FP32_TOL, rel_err
+from ringattn.integrations import modelopt as ra_mo
+
+VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, SEQ, STEPS = 128, 64, 4, 2, 16, 13, 5
+LENGTHS = (13, 9, 11)
+CASES = [  # (draft vocabulary (0: the target's), offline, ttt_padding)
+    (64, False, "modelopt"), (0, False, "modelopt"), (64, True, "modelopt"),
+    (0, True, "modelopt"), (64, False, "every_step"),
+]
+
+
+class OneProcessLlama(LlamaForCausalLM):
+    """The reference target: its own ``forward`` keeps ModelOpt's registry from taking it for
+    the ``LlamaForCausalLM`` that ``ra_mo.register`` gives to ``RingEagleModel``, so
+    ``mtsp.convert`` makes it ModelOpt's own ``HFEagleModel``."""
+
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+def _target(cls, attn: str):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                      vocab_size=VOCAB, max_position_embeddings=256, pad_token_id=0)
+    cfg._attn_implementation = attn
+    return cls(cfg).float().eval()
+
+
+def _eagle_config(draft_vocab: int, offline: bool) -> dict:
+    cfg = copy.deepcopy(EAGLE3_DEFAULT_CFG["config"])
+    cfg.update(eagle_use_torch_compile=False, eagle_offline=offline)
+    arch = cfg["eagle_architecture_config"]
+    arch.update(num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                intermediate_size=128)
+    if draft_vocab:
+        arch["draft_vocab_size"] = draft_vocab
+    return cfg
+
+
+def _convert(model, draft_vocab: int, offline: bool):
+    torch.manual_seed(1)
+    mtsp.convert(model, [("eagle", _eagle_config(draft_vocab, offline))])
+    em = model.eagle_module
+    if not hasattr(em, "rotary_emb"):  # plain ModelOpt on transformers >= 5.19 (see docs)
+        em.rotary_emb = LlamaRotaryEmbedding(config=em.config)
+    if hasattr(em, "d2t"):  # draft id i -> target id 2 i
+        n = em.d2t.numel()
+        em.d2t.copy_(torch.arange(n))
+    return model.train()
+
+
+def _batches(seq: int = SEQ, lengths=LENGTHS, seed: int = 2) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(1, VOCAB, (len(lengths), seq), generator=g)
+        mask = (torch.arange(seq) < torch.tensor(lengths)[:, None]).long()
+        ids = ids.masked_fill(mask == 0, 0)
+        labels = torch.full_like(ids, -100)
+        labels[:, :-1] = ids[:, 1:]
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return out
+
+
+@torch.no_grad()
+def _offline_outputs(base, batch: dict, aux_layers) -> dict:
+    """What ModelOpt's hidden-state dump holds: the last (post-norm) hidden states and the
+    aux layers' outputs concatenated."""
+    keep = []
+    hooks = [base.model.layers[i].register_forward_hook(
+        lambda m, a, o: keep.append(o if isinstance(o, torch.Tensor) else o[0]))
+        for i in aux_layers]
+    out = base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+               output_hidden_states=True)
+    for h in hooks:
+        h.remove()
+    return {"base_model_hidden_states": out.hidden_states[-1],
+            "aux_hidden_states": torch.cat(keep, dim=-1)}
+
+
+def _data(draft_vocab: int, offline: bool) -> list[dict]:
+    data = _batches()
+    if offline:
+        base = _target(LlamaForCausalLM, "sdpa")
+        aux = _convert(_target(OneProcessLlama, "sdpa"), draft_vocab, False) \
+            .eagle_config.eagle_aux_hidden_state_layer_ids
+        for batch in data:
+            batch["base_model_outputs"] = _offline_outputs(base, batch, aux)
+            batch["loss_mask"] = batch["attention_mask"].clone()
+    return data
+
+
+def _draft_grads(model) -> dict:
+    return {n: p.grad.clone() for n, p in model.named_parameters()
+            if p.requires_grad and p.grad is not None}
+
+
+def one_process(draft_vocab: int, offline: bool):
+    """ModelOpt's own training: (losses, [per-step draft gradients], the initial state)."""
+    model = _convert(_target(OneProcessLlama, "sdpa"), draft_vocab, offline)
+    state = copy.deepcopy(model.state_dict())
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    losses, grads = [], []
+    for batch in _data(draft_vocab, offline):
+        opt.zero_grad(set_to_none=True)
+        out = model(**batch)
+        out.loss.backward()
+        losses.append(out.loss.item())
+        grads.append(_draft_grads(model))
+        opt.step()
+    return losses, grads, state
+
+
+def cp_against_one_process(cases):
+    """On every rank: each case's CP training (shard_eagle_batch + RingEagleModel, the
+    ranks' gradients summed) against ModelOpt's one-process run. Returns {case: (worst
+    relative loss error, worst relative per-parameter gradient error, [CP losses])}."""
+    torch.use_deterministic_algorithms(True)
+    ra_mo.register(LlamaForCausalLM)
+    group = dist.group.WORLD
+    out = {}
+    for draft_vocab, offline, padding in cases:
+        ref_losses, ref_grads, state = one_process(draft_vocab, offline)
+        model = _convert(_target(LlamaForCausalLM, "ringattn"), draft_vocab, offline)
+        assert isinstance(model, ra_mo.RingEagleModel), type(model).__mro__
+        model.load_state_dict(state)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.SGD(params, lr=1.0)
+        loss_err, grad_err, losses = 0.0, 0.0, []
+        for step, batch in enumerate(_data(draft_vocab, offline)):
+            opt.zero_grad(set_to_none=True)
+            local = ra_mo.shard_eagle_batch(batch, group=group)
+            res = model(**local, ttt_padding=padding)
+            res.loss.backward()
+            for p in params:
+                dist.all_reduce(p.grad, group=group)
+            total = res.loss.detach().clone()
+            dist.all_reduce(total, group=group)
+            losses.append(total.item())
+            loss_err = max(loss_err, abs(total.item() - ref_losses[step]) / ref_losses[step])
+            got = _draft_grads(model)
+            assert sorted(got) == sorted(ref_grads[step]), (sorted(got), sorted(ref_grads[step]))
+            grad_err = max(grad_err, *(rel_err(got[n], ref_grads[step][n]) for n in got))
+            opt.step()
+        out[(draft_vocab, offline, padding)] = (loss_err, grad_err, losses)
+    return out
+
+
+def refusals():
+    """{what: the error's type and message} of each CP refusal, on this rank."""
+    ra_mo.register(LlamaForCausalLM)
+    model = _convert(_target(LlamaForCausalLM, "ringattn"), 64, False)
+    batch = _batches()[0]
+    found = {}
+
+    def attempt(what, batch=batch, **kw):
+        try:
+            model(**ra_mo.shard_eagle_batch(batch), **kw)
+        except (TypeError, ValueError) as exc:
+            found[what] = f"{type(exc).__name__}: {exc}"
+        else:
+            found[what] = "no error"
+
+    for flag, value in (("eagle_mix_hidden_states", True), ("eagle_base_lora", True),
+                        ("eagle_freeze_base_model", False), ("eagle_decoder_type", "kimik2")):
+        saved = getattr(model, flag)
+        setattr(model, flag, value)
+        try:
+            attempt(flag)
+        finally:
+            setattr(model, flag, saved)
+    left = {**batch, "attention_mask": batch["attention_mask"].flip(1)}
+    attempt("left padding", left)
+    attempt("ttt_padding", ttt_padding="always")
+    return found
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [2, 3])
+def test_cp_training_equals_modelopt_one_process(clusters, world, worst_errors):
+    """Online and offline (base_model_outputs), draft vocabulary 64 and the full one,
+    ModelOpt's masks and the masks at every step: every step's loss and every draft
+    gradient on every rank equal ModelOpt's own one-process training over 5 SGD steps."""
+    runs = clusters(world).run(cp_against_one_process, CASES, timeout=220)
+    for rank, results in enumerate(runs):
+        for case, (loss_err, grad_err, losses) in results.items():
+            print(f"W={world} rank {rank} {case}: loss {loss_err:.1e}, grads {grad_err:.1e}")
+            worst_errors[("float32", "MO-l")] = (max(worst_errors.get(
+                ("float32", "MO-l"), (0.0,))[0], loss_err), FP32_TOL)
+            worst_errors[("float32", "MO-g")] = (max(worst_errors.get(
+                ("float32", "MO-g"), (0.0,))[0], grad_err), FP32_TOL)
+            assert loss_err <= FP32_TOL and grad_err <= FP32_TOL, (world, rank, case, losses)
+            assert losses == runs[0][case][2], (rank, case)
+
+
+@pytest.mark.timeout(120)
+def test_refusals_are_the_same_on_every_rank(clusters):
+    """What the CP forward cannot compute exactly is refused by name, with the same error on
+    every rank (before any collective: no rank hangs)."""
+    found = clusters(2).run(refusals, timeout=100)
+    assert found[0] == found[1], found
+    names = {"eagle_mix_hidden_states": "eagle_mix_hidden_states",
+             "eagle_base_lora": "eagle_base_lora", "eagle_freeze_base_model":
+             "eagle_freeze_base_model", "eagle_decoder_type": "eagle_decoder_type='kimik2'",
+             "left padding": "left padding", "ttt_padding": "ttt_padding='always'"}
+    for what, name in names.items():
+        assert found[0][what].startswith("ValueError") and name in found[0][what], found[0]
+
+
+def test_register_and_trainer_refusals():
+    """register refuses a class ModelOpt already gave to its own HFEagleModel, and a
+    converted model; a plain HFEagleModel or a dense mask is refused by name."""
+    class Converted(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    model = _convert(_target(Converted, "sdpa"), 64, False)
+    with pytest.raises(ValueError, match="Converted is already registered"):
+        ra_mo.register(Converted)
+    with pytest.raises(TypeError, match="already converted"):
+        ra_mo.register(model)
+    assert ra_mo.register(LlamaForCausalLM) == ra_mo.register(LlamaForCausalLM)  # idempotent
+    with pytest.raises(TypeError, match="needs a RingEagleModel, got EagleConverted"):
+        ra_mo.EagleRingTrainer(model=model)
+    q = torch.zeros(1, 4, 3, 16)
+    with pytest.raises(TypeError, match="needs a TTTMask"):
+        ra_mo.ttt_attention_forward(None, q, q, q, torch.zeros(1, 1, 3, 3))
+
+
+def their_cp(model, batch, world):
+    """ModelOpt 0.47's own CP (examples/speculative_decoding main.py with cp_size > 1:
+    contiguous shards, torch's ring attention given the global TTT mask) computed in one
+    process: each shard rolls its own ids and hidden states and slices its own loss rows,
+    the loss is the mean of the ranks' means (FSDP averages), the draft sees no padding."""
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    b, s = ids.shape
+    n = s // world
+    base, _ = model._eagle_base_model_forward(ids, am, None, None, True, None)
+    logits = model._map_logits_to_draft_vocab(base.logits)
+    p, tok = torch.softmax(logits, 2).detach(), logits.argmax(-1)
+
+    def per_shard(t, fn):
+        return torch.cat([fn(c) for c in t.split(n, 1)], 1)
+
+    emb = per_shard(base.input_embeds, lambda c: c.roll(-1, 1))
+    hidden = model.eagle_module.fc(base.aux_hiddens)
+    pos = torch.arange(s).expand(b, s)
+    cache = transformers.DynamicCache(config=model.eagle_module.config)
+    total = 0
+    for j in range(model.eagle_ttt_steps):
+        ok = get_ttt_msk_func(s, j)(None, None, torch.arange(s).view(1, 1, s, 1),
+                                    torch.arange((j + 1) * s).view(1, 1, 1, -1))
+        mask = torch.zeros(ok.shape).masked_fill(~ok, torch.finfo(torch.float32).min)
+        _, out, elog, cache = model._eagle_forward(hidden, emb, mask, pos, cache)
+        hidden = per_shard(out, lambda c: c.roll(1, 1))
+        shares = [model._eagle_loss(pc[:, 1 + j:], tc[:, 1 + j:], ec[:, j:-1], lc[:, 1 + j:])[0]
+                  for pc, tc, ec, lc in zip(p.split(n, 1), tok.split(n, 1), elog.split(n, 1),
+                                            am.split(n, 1))]
+        total = total + model.eagle_loss_decay_factor ** j * torch.stack(shares).mean()
+    return total
+
+
+def test_their_cp_is_wrong_at_the_shard_boundaries(clusters):
+    """ModelOpt's own CP at S = 12, W = 2 and 3 (draft vocabulary 64, padded rows), against its
+    one-process step: the loss and the gradient differ far beyond rounding; ringattn's CP
+    (the same model, W = 2 and 3, S = 13) stays at rounding. Prints both."""
+    batch = _batches(seq=12, lengths=(12, 8, 10))[0]
+    one = _convert(_target(OneProcessLlama, "sdpa"), 64, False)
+    ref = one(**batch).loss
+    params = [p for p in one.parameters() if p.requires_grad]
+    ref_g = torch.cat([g.flatten() for g in torch.autograd.grad(ref, params)])
+    ours = {w: clusters(w).run(cp_against_one_process, CASES[:1], timeout=100)[0][CASES[0]]
+            for w in (2, 3)}
+    for world in (2, 3):
+        model = _convert(_target(OneProcessLlama, "sdpa"), 64, False)
+        loss = their_cp(model, batch, world)
+        grad = torch.cat([g.flatten() for g in torch.autograd.grad(
+            loss, [p for p in model.parameters() if p.requires_grad])])
+        loss_err = abs(loss.item() - ref.item()) / ref.item()
+        grad_err = rel_err(grad, ref_g)
+        print(f"W={world}: ModelOpt's own CP vs one process: loss {loss_err:.1e}, gradient "
+              f"{grad_err:.1e} relative; ringattn: loss {ours[world][0]:.1e}, per-parameter "
+              f"gradients {ours[world][1]:.1e} (5 steps)")
+        assert grad_err > 1e-2 and grad_err > 1000 * ours[world][1], (grad_err, ours[world])
+        assert loss_err > 10 * ours[world][0], (loss_err, ours[world])
