@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo demo-lm test test-properties test-serving bench clean
+.PHONY: install demo demo-lm test test-properties test-serving test-specforge bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@echo "make: creating $(VENV) (once)"
@@ -59,6 +59,27 @@ $(SERVING_VENV)/.installed:
 test-serving: install $(SERVING_VENV)/.installed
 	RINGATTN_SERVING_PYTHON=$(abspath $(SERVING_PY)) $(PY) -m pytest -q -s tests/serving
 
+# SpecForge's own Eagle3 trainer on ringattn (docs/specforge.md), in its own venv: SpecForge
+# pins torch 2.11 and sglang, so it goes in --no-deps beside our torch, with the few modules
+# its offline trainer imports (triton only to import its loss module: about 1 GB installed).
+# Not part of `make test`: the install takes a few minutes.
+SPECFORGE_VENV ?= .venv-specforge
+SPECFORGE_PY   := $(SPECFORGE_VENV)/bin/python
+SPECFORGE_PIN  ?= specforge==0.2.0
+
+$(SPECFORGE_VENV)/.installed: pyproject.toml
+	test -x $(SPECFORGE_PY) || $(PYTHON) -m venv $(SPECFORGE_VENV)
+	# torch first, pinned (an unpinned torch would pull a multi-GB CUDA build)
+	$(SPECFORGE_PY) -m pip install -q "$(TORCH_PIN)"
+	$(SPECFORGE_PY) -m pip install -q "$(TORCH_PIN)" "transformers==5.24.0" "datasets==5.2.0" "accelerate==1.15.0"
+	$(SPECFORGE_PY) -m pip install -q --no-deps "$(SPECFORGE_PIN)" "yunchang==0.6.4" "triton==3.9.0"
+	$(SPECFORGE_PY) -m pip install -q -e ".[test]" "$(TORCH_PIN)"
+	$(SPECFORGE_PY) -c "import specforge.algorithms.eagle3.model, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $@
+
+test-specforge: $(SPECFORGE_VENV)/.installed
+	$(SPECFORGE_PY) -m pytest -q -s tests/specforge
+
 # Benchmarks (JSON + PNG under benchmarks/results/; the longest target, most of an hour).
 # bench_gpu.py needs a CUDA GPU and is run by hand (benchmarks/README.md).
 bench: install
@@ -79,4 +100,4 @@ bench: install
 	$(PY) benchmarks/report.py
 
 clean:
-	rm -rf $(VENV) $(SERVING_VENV) demo_out
+	rm -rf $(VENV) $(SERVING_VENV) $(SPECFORGE_VENV) demo_out

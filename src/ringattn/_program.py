@@ -21,6 +21,8 @@ PROGRAMS = (
      "online against a target or on stored outputs, and export it"),
     ("python -m ringattn.apps.eagle3_target", "store a target's outputs for "
      "python -m ringattn.apps.eagle3_train --offline"),
+    ("python -m ringattn.apps.specforge_train", "SpecForge's own Eagle3 trainer with "
+     "ringattn's context parallelism (needs SpecForge: docs/specforge.md)"),
 )
 """(command, what it does) of every program the package installs."""
 

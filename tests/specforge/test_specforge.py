@@ -1,0 +1,109 @@
+"""SpecForge's own Eagle3 trainer with ringattn as its context-parallel attention
+(``ringattn.integrations.specforge``), against SpecForge's own one-process training.
+
+``make test-specforge`` runs these (SpecForge 0.2.0 installed --no-deps into
+``.venv-specforge``, beside torch 2.13 and transformers 5.24); in other venvs they are
+skipped. On a tiny random Llama target, offline features of lengths 37, 29, 45, 23, 41, 33,
+50, 27 (batches of 2 right-padded rows, T = the longer row, never a multiple of 2W), a
+one-layer fp32 draft, TTT length 3, DDP (``fsdp_sharding: NO_SHARD``), AdamW at 1e-4, six
+optimizer steps, CPU gloo:
+
+* the reference is SpecForge's ``specforge train`` worker path on one rank (its registry,
+  ``init_distributed``, ``build_application_run``: offline reader, collator, TargetHead,
+  ``OnlineEagle3Model`` with the sdpa draft, ``Eagle3TrainStrategy``, BF16Optimizer), with
+  its Triton loss replaced by SpecForge's own torch reference of it (no GPU driver here);
+* the CP run is the same config with the draft config naming RingLlamaForCausalLMEagle3,
+  built by ``ringattn.integrations.specforge.build`` on W ranks (CP group = all W);
+* asserted: every step's logged loss, per-step losses, accuracies and grad norm, every draft
+  gradient (recorded before clipping, after DDP) and the final weights equal the reference
+  to 1e-5 relative; refusals raise the same error on every rank.
+
+Both sides run with TORCHDYNAMO_DISABLE=1 (SpecForge compiles some helpers; compiled and
+eager differ by ~5e-7, which AdamW would carry from step to step).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+try:  # (a bare "import specforge" would find this tests/specforge folder)
+    import specforge.config  # noqa: F401
+except ImportError:
+    pytest.skip("make test-specforge runs these (SpecForge in its own venv, .venv-specforge)",
+                allow_module_level=True)
+
+import torch  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RUN = os.path.join(HERE, "specforge_run.py")
+TOL = 1e-5
+
+
+def _run(*args, timeout=600):
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, RUN, *map(str, args)], env=env, timeout=timeout,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    work = tmp_path_factory.mktemp("specforge")
+    _run("fixture", work)
+    _run("reference", work, work / "reference.pt")
+    return work
+
+
+def _rel(a, b) -> float:
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world,layout,strategy", [(2, "zigzag", "ring"), (3, "zigzag", "ring"),
+                                                   (3, "contiguous", "ring"),
+                                                   (2, "zigzag", "ulysses")])
+def test_specforge_trainer_under_cp_equals_its_one_process_training(work, world, layout,
+                                                                     strategy):
+    out = work / f"ring-w{world}-{layout}-{strategy}.pt"
+    _run("ring", work, out, "--world", world, "--layout", layout, "--strategy", strategy)
+    cp, ref = torch.load(out), torch.load(work / "reference.pt")
+    assert len(ref["logs"]) == len(cp["logs"]) == len(ref["grads"]) == len(cp["grads"]) == 6
+    worst = {"loss": 0.0, "metric": 0.0, "grad": 0.0}
+    for i, (m, r) in enumerate(zip(cp["logs"], ref["logs"])):
+        loss = _rel(m["loss"], r["loss"])
+        metric = max(_rel(m[k], r[k]) for k in r
+                     if k.startswith(("ploss_", "acc", "grad_norm")) and r[k] != 0)
+        assert all(m[k] == r[k] for k in r if k.startswith("acc") and r[k] == 0)
+        grad = max(_rel(cp["grads"][i][k], ref["grads"][i][k]) for k in ref["grads"][i])
+        assert cp["grads"][i].keys() == ref["grads"][i].keys()
+        print(f"[W={world} {layout} {strategy}] step {i + 1}: loss {m['loss']:.7f} "
+              f"(one process {r['loss']:.7f}, rel {loss:.1e}), worst metric rel {metric:.1e}, "
+              f"worst gradient rel {grad:.1e}")
+        assert loss <= TOL and metric <= TOL and grad <= TOL, (i, loss, metric, grad)
+        worst = {"loss": max(worst["loss"], loss), "metric": max(worst["metric"], metric),
+                 "grad": max(worst["grad"], grad)}
+    weights = max(_rel(cp["final"][k], ref["final"][k]) for k in ref["final"])
+    print(f"[W={world} {layout} {strategy}] worst over 6 steps: loss {worst['loss']:.1e}, "
+          f"metrics {worst['metric']:.1e}, gradients {worst['grad']:.1e}; final weights "
+          f"{weights:.1e}")
+    assert weights <= TOL
+
+
+@pytest.mark.timeout(600)
+def test_refusals_raise_the_same_error_on_every_rank(work):
+    world = 2
+    _run("refusals", work, work / "refusals", "--world", world)
+    seen = [torch.load(f"{work}/refusals.{r}") for r in range(world)]
+    assert seen[0] == seen[1], seen
+    expected = {"flex_attention backend": "attention_backend",
+                "striped layout": "striped", "stock architecture": "RingLlamaForCausalLMEagle3",
+                "cp size not dividing the world": "--cp-size 3 must divide",
+                "left padding": "right-padded"}
+    assert seen[0].keys() == expected.keys()
+    for case, words in expected.items():
+        assert seen[0][case] is not None and seen[0][case].startswith("ValueError") and \
+            words in seen[0][case], (case, seen[0][case])
