@@ -15,6 +15,8 @@ gradient element is decided by rounding, so later steps would drift far above it
 """
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +29,8 @@ import modelopt.torch.speculative as mtsp
 from modelopt.torch.speculative.config import EAGLE3_DEFAULT_CFG
 from modelopt.torch.speculative.utils import get_ttt_msk_func
 
-from reference import FP32_TOL, rel_err
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, when torchrun runs this
+from reference import FP32_TOL, rel_err  # noqa: E402
 from ringattn.integrations import modelopt as ra_mo
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, SEQ, STEPS = 128, 64, 4, 2, 16, 13, 5
@@ -313,3 +316,99 @@ def test_their_cp_is_wrong_at_the_shard_boundaries(clusters):
               f"gradients {ours[world][1]:.1e} (5 steps)")
         assert grad_err > 1e-2 and grad_err > 1000 * ours[world][1], (grad_err, ours[world])
         assert loss_err > 10 * ours[world][0], (loss_err, ours[world])
+
+
+# ---- EagleRingTrainer under torchrun against transformers' Trainer with ModelOpt's loss ----
+
+TRAIN_ROWS, BATCH, ACCUMULATE = 8, 2, 2
+
+
+def _train_rows() -> list[dict]:
+    """8 rows of S = 13, right-padded to various lengths (micro-batches with different
+    token counts), what ModelOpt's collator gives (labels shifted, no loss_mask)."""
+    lengths = (13, 9, 11, 13, 6, 12, 10, 13)
+    rows = []
+    for batch in _batches(lengths=lengths, seed=5)[:1]:
+        for i in range(len(lengths)):
+            rows.append({k: v[i] for k, v in batch.items()})
+    return rows
+
+
+def _training_args(out: str):
+    return transformers.TrainingArguments(
+        output_dir=out, per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=ACCUMULATE, max_steps=TRAIN_ROWS // (BATCH * ACCUMULATE),
+        learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
+        max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+        train_sampling_strategy="sequential", remove_unused_columns=False, disable_tqdm=True)
+
+
+class ModelOptTrainer(transformers.Trainer):
+    """ModelOpt's example trainer's loss (examples/speculative_decoding: it drops
+    ``num_items_in_batch``): the one-process reference."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return super().compute_loss(model, inputs, return_outputs=return_outputs)
+
+
+def _draft_state(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _trainer_main(out: str) -> None:
+    """Run by torchrun: EagleRingTrainer trains; each rank writes its logged losses and
+    its draft weights."""
+    import json
+
+    torch.use_deterministic_algorithms(True)
+    ra_mo.register(LlamaForCausalLM)
+    model = _convert(_target(LlamaForCausalLM, "ringattn"), 64, False)
+    model.load_state_dict(one_process(64, False)[2])  # ModelOpt's initial draft, as below
+    trainer = ra_mo.EagleRingTrainer(model=model, args=_training_args(out), cp_size=None,
+                                     train_dataset=_train_rows())
+    trainer.train()
+    rank = dist.get_rank()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    with open(f"{out}/losses.{rank}.json", "w") as f:
+        json.dump({"losses": losses, "accs": trainer.train_accs}, f)
+    torch.save(_draft_state(model), f"{out}/draft.{rank}.pt")
+
+
+@pytest.mark.timeout(200)
+def test_eagle_ring_trainer_equals_modelopt_trainer(tmp_path):
+    """EagleRingTrainer on 2 ranks (torchrun) logs the losses and reaches the draft weights
+    of transformers' Trainer with ModelOpt's loss in one process: 2 SGD steps of 2
+    accumulated micro-batches of 2 padded rows (ModelOpt's accumulation: the step takes the
+    sum of the micro-batches' mean losses)."""
+    import json
+    import os
+    import subprocess
+
+    out = tmp_path / "cp"
+    out.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         __file__, str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    model = _convert(_target(OneProcessLlama, "sdpa"), 64, False)
+    start = _draft_state(model)
+    ref = ModelOptTrainer(model=model, args=_training_args(str(tmp_path / "ref")),
+                          train_dataset=_train_rows())
+    ref.train()
+    want = [e["loss"] for e in ref.state.log_history if "loss" in e]
+    end = _draft_state(model)
+    log, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, log[-6000:]
+    assert len(want) == 2
+    for rank in range(2):
+        got = json.loads((out / f"losses.{rank}.json").read_text())
+        for a, b in zip(got["losses"], want, strict=True):
+            assert abs(a - b) <= FP32_TOL * abs(b), (rank, got["losses"], want)
+        weights = torch.load(out / f"draft.{rank}.pt")
+        for name in end:  # the SGD updates (lr 1): the summed gradients of both steps
+            err = rel_err(weights[name] - start[name], end[name] - start[name])
+            assert err <= FP32_TOL, (rank, name, err)
+
+
+if __name__ == "__main__":
+    _trainer_main(sys.argv[1])
