@@ -180,6 +180,62 @@ def _check_eagle3_cp(ns: dict) -> None:
             assert rel_err(grad.double(), p1.grad.double()) <= FP32_TOL, name
 
 
+def _modelopt(ns: dict, work: Path) -> None:
+    """modelopt.md's switch: a tiny Llama target saved in ``target_dir``, ModelOpt's Eagle3
+    config (the draft's heads matched to the target, no torch.compile), TrainingArguments
+    for one SGD step on the CPU ranks, two rows (one right-padded) and a collator."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from modelopt.torch.speculative.config import EAGLE3_DEFAULT_CFG
+    from transformers import (LlamaConfig, LlamaForCausalLM, TrainingArguments,
+                              default_data_collator)
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=8, pad_token_id=0)
+    target_dir = work / "modelopt-target"
+    if dist.get_rank() == 0:
+        LlamaForCausalLM(config).save_pretrained(target_dir)
+    dist.barrier()
+    cfg = copy.deepcopy(EAGLE3_DEFAULT_CFG["config"])
+    cfg["eagle_use_torch_compile"] = False
+    cfg["eagle_architecture_config"].update(num_attention_heads=4, num_key_value_heads=2,
+                                            head_dim=8, intermediate_size=64)
+    ids = torch.randint(1, 64, (2, 23), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, 17:] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    ns.update(target_dir=str(target_dir), eagle_cfg=cfg, collator=default_data_collator,
+              ds=[{"input_ids": ids[i], "attention_mask": mask[i], "labels": ids[i]}
+                  for i in range(2)],
+              args=TrainingArguments(output_dir=str(work / "modelopt-out"), use_cpu=True,
+                                     report_to=[], per_device_train_batch_size=2, max_steps=1,
+                                     logging_steps=1, optim="sgd", learning_rate=0.1,
+                                     save_strategy="no",
+                                     train_sampling_strategy="sequential", disable_tqdm=True))
+
+
+def _check_modelopt(ns: dict) -> None:
+    """One step of the Eagle model ModelOpt converted through RingEagleModel, with a finite
+    logged loss."""
+    import math
+
+    import torch.distributed as dist
+
+    from ringattn.integrations.modelopt import RingEagleModel
+
+    assert isinstance(ns["model"], RingEagleModel), type(ns["model"]).__mro__
+    assert ns["trainer"].state.global_step == 1
+    losses = [e["loss"] for e in ns["trainer"].state.log_history if "loss" in e]
+    assert losses and all(math.isfinite(x) for x in losses), ns["trainer"].state.log_history
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, losses)
+    assert all(x == losses for x in every), every  # the global loss, logged on every rank
+
+
 def _check_varlen(ns: dict) -> None:
     assert ns["out_l"].shape == ns["q_l"].shape and ns["out_l"].isfinite().all()
 
@@ -195,6 +251,7 @@ RANKED = {
     ("eagle3.md", 0): (_shards, _check_ttt),
     ("strategies.md", 0): (_strategies, None),
     ("README.md", "eagle3-under-CP"): (_eagle3_cp, _check_eagle3_cp),
+    ("modelopt.md", 0): (_modelopt, _check_modelopt),
 }
 """Blocks run on 2 ranks: (what makes their inputs, what checks their outputs)."""
 
@@ -315,7 +372,7 @@ def _torchrun_argv(code: str) -> list[list[str]]:
     return out
 
 
-SHELL = {("compat.md", 3)}
+SHELL = {("compat.md", 3), ("modelopt.md", 1)}
 """Shell blocks: every command in them is a torchrun launch, parsed by torchrun's parser."""
 
 
