@@ -73,7 +73,9 @@ $(SPECFORGE_VENV)/.installed: pyproject.toml
 	$(SPECFORGE_PY) -m pip install -q "$(TORCH_PIN)"
 	$(SPECFORGE_PY) -m pip install -q "$(TORCH_PIN)" "transformers==5.24.0" "datasets==5.2.0" "accelerate==1.15.0"
 	$(SPECFORGE_PY) -m pip install -q --no-deps "$(SPECFORGE_PIN)" "yunchang==0.6.4" "triton==3.9.0"
-	$(SPECFORGE_PY) -m pip install -q -e ".[test]" "$(TORCH_PIN)"
+	# ringattn itself and the test runner (not the [test] extra: its other packages are
+	# for `make test`)
+	$(SPECFORGE_PY) -m pip install -q -e . "$(TORCH_PIN)" "pytest==9.2.0" "pytest-timeout==2.4.0"
 	$(SPECFORGE_PY) -c "import specforge.algorithms.eagle3.model, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $@
 

@@ -374,6 +374,10 @@ def _torchrun_argv(code: str) -> list[list[str]]:
 
 SHELL = {("compat.md", 3), ("modelopt.md", 1)}
 """Shell blocks: every command in them is a torchrun launch, parsed by torchrun's parser."""
+SPECFORGE = {("specforge.md", 0): "json", ("specforge.md", 1): "sh"}
+"""specforge.md's draft-config entry and launch line (SpecForge is not in this venv): the
+entry is read by ringattn's option check, the launch parsed by torchrun's and the program's
+parsers (``test_specforge_blocks_parse``); make test-specforge runs the launcher's code."""
 
 
 def _run_block(key, code: str, make, check, work: Path) -> None:
@@ -396,7 +400,7 @@ def test_every_block_is_covered():
     """Each block of docs/ (and of ``README_HERE``) is run here, by language: python on ranks
     or in one process, shell through the launcher's parser; nothing is left out."""
     found = all_blocks()
-    covered = set(RANKED) | set(LOCAL) | SHELL
+    covered = set(RANKED) | set(LOCAL) | SHELL | set(SPECFORGE)
     assert set(found) == covered, (sorted(set(found) - covered), sorted(covered - set(found)))
     for key in set(RANKED) | set(LOCAL):
         assert found[key][0] == "python", key
@@ -431,6 +435,25 @@ def test_shell_blocks_parse():
         for argv in commands:
             args = get_args_parser().parse_args(argv)
             assert args.training_script == "train.py" and args.nnodes and args.rdzv_id, key
+
+
+def test_specforge_blocks_parse():
+    from torch.distributed.run import get_args_parser
+
+    from ringattn.apps.specforge_train import parser
+    from ringattn.integrations.specforge import ARCHITECTURE, ring_options
+
+    found = doc_blocks()
+    for key, language in SPECFORGE.items():
+        assert found[key][0] == language, key
+    entry = json.loads(found[("specforge.md", 0)][1])
+    assert entry["architectures"] == [ARCHITECTURE]
+    assert ring_options(entry) == entry["ringattn"]
+    (argv,) = _torchrun_argv(found[("specforge.md", 1)][1])
+    launch = get_args_parser().parse_args(argv)
+    assert launch.module and launch.training_script == "ringattn.apps.specforge_train"
+    args = parser().parse_args(launch.training_script_args)
+    assert args.command == "train" and int(launch.nproc_per_node) % args.cp_size == 0
 
 
 @pytest.mark.timeout(180)

@@ -217,6 +217,9 @@ def _refusal_worker(rank, world, port, work, out):
             seen["left padding"] = f"{type(exc).__name__}: {exc}"
     finally:
         destroy_distributed()
+    # (each rank wrote its configs under its own folder: name it alike for the comparison)
+    seen = {k: v if v is None else v.replace(f"refuse-{rank}-", "refuse-R-")
+            for k, v in seen.items()}
     torch.save(seen, f"{out}.{rank}")
 
 

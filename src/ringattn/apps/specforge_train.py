@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     trainer under CP.
 
     Returns:
-        SpecForge's run status (bad arguments, a missing SpecForge or a refused config exit
+        0 once training ends (bad arguments, a missing SpecForge or a refused config exit
         with status 2 and one line).
     """
     args = parser().parse_args(argv)
@@ -46,14 +46,21 @@ def main(argv=None) -> int:
         raise SystemExit(2) from None
     import os
 
-    from ..integrations.specforge import train as run_train
+    from specforge.distributed import destroy_distributed
+
+    from ..integrations.specforge import build
 
     cp = args.cp_size if args.cp_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        return run_train(args.config, args.overrides, cp_size=cp) or 0
-    except ValueError as exc:
+        run = build(args.config, args.overrides, cp_size=cp)
+    except ValueError as exc:  # a refused config: one line, the same on every rank
         print(f"{PROG}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    try:
+        run.run()  # (returns the trainer's last step, not a status)
+    finally:
+        destroy_distributed()
+    return 0
 
 
 if __name__ == "__main__":

@@ -158,17 +158,11 @@ def draft_class():
             k = self.k_proj(hidden_states).view(b, n, self.num_key_value_heads, self.head_dim)
             v = self.v_proj(hidden_states).view(b, n, self.num_key_value_heads, self.head_dim)
             step = len(cache_hidden[0])
-            lengths = None
-            error = None
-            try:
-                if attention_mask is None or attention_mask.dim() != 2:
-                    raise ValueError("RingLlamaForCausalLMEagle3 needs the global [B, T] "
-                                     "attention_mask (training.attention_backend: sdpa)")
-                lengths = _right_padding_lengths(attention_mask)
-            except ValueError as exc:
-                error = exc
-            if error is not None:  # the mask is global: every rank raises the same
-                raise error
+            # the mask is global: a refusal here is the same on every rank
+            if attention_mask is None or attention_mask.dim() != 2:
+                raise ValueError("RingLlamaForCausalLMEagle3 needs the global [B, T] "
+                                 "attention_mask (training.attention_backend: sdpa)")
+            lengths = _right_padding_lengths(attention_mask)
             seqlen = attention_mask.shape[1]
             cos, sin = self.rotary_emb(q, seq_len=int(position_ids.max()) + 1 + step)
             q, k = apply_rotary_pos_emb(q, k, cos, sin, position_ids + step, unsqueeze_dim=2)
@@ -413,7 +407,7 @@ def build(config_path: str, overrides=(), *, cp_size: int):
 
 
 def train(config_path: str, overrides=(), *, cp_size: int) -> int:
-    """``build`` then SpecForge's run; returns its status."""
+    """``build`` then SpecForge's run; returns what it returns (the trainer's last step)."""
     from specforge.distributed import destroy_distributed
 
     run = build(config_path, overrides, cp_size=cp_size)
