@@ -36,7 +36,7 @@ def fixture(work: str) -> None:
 
     torch.manual_seed(0)
     target = LlamaForCausalLM(LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         tie_word_embeddings=False, rms_norm_eps=1e-6)).eval()
     target.save_pretrained(os.path.join(work, "target"), max_shard_size="40KB")
@@ -47,7 +47,7 @@ def fixture(work: str) -> None:
         "draft_vocab_size": 64, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
         "hidden_act": "silu", "rope_theta": 10000.0, "pretraining_tp": 1,
         "tie_word_embeddings": False, "target_hidden_size": 64,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 1]},
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]},
     }
     with open(os.path.join(work, "draft_config.json"), "w") as f:
         json.dump(draft, f, indent=1)
@@ -62,7 +62,7 @@ def fixture(work: str) -> None:
             hs = target(ids[None], output_hidden_states=True).hidden_states
         torch.save({"input_ids": ids, "loss_mask": loss_mask,
                     "hidden_state": hs[-1].to(torch.bfloat16),
-                    "aux_hidden_state": torch.cat([hs[1], hs[2], hs[2]], -1).float()},
+                    "aux_hidden_state": torch.cat([hs[1], hs[2], hs[3]], -1).float()},
                    os.path.join(features, f"data_{n:04d}.ckpt"))
 
 

@@ -107,3 +107,49 @@ def test_refusals_raise_the_same_error_on_every_rank(work):
     for case, words in expected.items():
         assert seen[0][case] is not None and seen[0][case].startswith("ValueError") and \
             words in seen[0][case], (case, seen[0][case])
+
+
+@pytest.mark.timeout(600)
+def test_cp_trained_draft_exports_with_specforge_and_loads_in_ringattn(work):
+    """The CP run's last checkpoint, exported by SpecForge's own ``specforge export --to
+    sglang`` (given a copy of the draft config naming SpecForge's architecture, as
+    docs/specforge.md says), holds the CP run's final weights, and ringattn's ``load_draft``
+    reads it."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from ringattn.eagle3 import load_draft
+
+    run = work / "ring-w2-zigzag-ring"
+    out = work / "ring-w2-zigzag-ring.pt"
+    if not out.exists():
+        _run("ring", work, out, "--world", 2)
+    (checkpoint,) = (run / "out").glob("*-step6")
+    config = json.loads((run / "draft_config.json").read_text())
+    config["architectures"] = ["LlamaForCausalLMEagle3"]
+    del config["ringattn"]
+    (work / "export_config.json").write_text(json.dumps(config))
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-m", "specforge.cli", "export", "--to", "sglang",
+                           "--checkpoint", str(checkpoint), "--draft-config",
+                           str(work / "export_config.json"), "--output-dir",
+                           str(work / "exported")], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    exported = load_file(str(work / "exported" / "model.safetensors"))
+    final = torch.load(out)["final"]
+    trained = {k: v for k, v in final.items() if k in exported}
+    assert trained and set(final) - set(trained) <= {"embed_tokens.weight"}, set(final) ^ set(exported)
+    for name, weight in trained.items():  # (SpecForge's SGLang export is in its dtype, bf16)
+        assert torch.equal(exported[name], weight.to(exported[name].dtype)), name
+    index = json.loads((work / "target" / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"]["model.embed_tokens.weight"]
+    embedding = load_file(str(work / "target" / shard))["model.embed_tokens.weight"]
+    draft = load_draft(work / "exported", embed_tokens=embedding)
+    ours = list(draft.state_dict().values())
+    for name in trained:
+        assert any(t.shape == exported[name].shape and
+                   torch.equal(t.to(exported[name].dtype), exported[name]) for t in ours), name
+    print(f"exported by SpecForge ({exported['fc.weight'].dtype}) and loaded by "
+          f"ringattn: {len(trained)} trained tensors, each the CP run's final weight")
