@@ -144,7 +144,7 @@ def one_process(draft_vocab: int, offline: bool):
     return losses, grads, state
 
 
-def cp_against_one_process(cases, references):
+def cp_against_one_process(cases, references, strategy="ring"):
     """On every rank: each case's CP training (shard_eagle_batch + RingEagleModel, the
     ranks' gradients summed) against ModelOpt's one-process run (``references``, by
     (draft vocabulary, offline): ``one_process``'s results). Returns {case: (worst relative
@@ -162,7 +162,7 @@ def cp_against_one_process(cases, references):
         loss_err, grad_err, losses = 0.0, 0.0, []
         for step, batch in enumerate(_data(draft_vocab, offline)):
             opt.zero_grad(set_to_none=True)
-            local = ra_mo.shard_eagle_batch(batch, group=group)
+            local = ra_mo.shard_eagle_batch(batch, group=group, strategy=strategy)
             res = model(**local, ttt_padding=padding)
             res.loss.backward()
             for p in params:
@@ -211,15 +211,17 @@ def refusals():
 @pytest.fixture(scope="module")
 def cp_runs(clusters):
     """``cp_runs(W)``: every rank's ``cp_against_one_process`` results for all CASES at W
-    ranks (run once per W; ModelOpt's one-process runs made once, here)."""
+    ranks (run once per W; ModelOpt's one-process runs made once, here); with
+    ``strategy``/``cases``, those."""
     references = {case[:2]: one_process(*case[:2]) for case in CASES}
     done = {}
 
-    def run(world):
-        if world not in done:
-            done[world] = clusters(world).run(cp_against_one_process, CASES, references,
-                                              timeout=200)
-        return done[world]
+    def run(world, strategy="ring", cases=tuple(CASES)):
+        key = (world, strategy, cases)
+        if key not in done:
+            done[key] = clusters(world).run(cp_against_one_process, list(cases), references,
+                                            strategy, timeout=200)
+        return done[key]
 
     return run
 
@@ -240,6 +242,15 @@ def test_cp_training_equals_modelopt_one_process(cp_runs, world, worst_errors):
                 ("float32", "MO-g"), (0.0,))[0], grad_err), FP32_TOL)
             assert loss_err <= FP32_TOL and grad_err <= FP32_TOL, (world, rank, case, losses)
             assert losses == runs[0][case][2], (rank, case)
+
+
+@pytest.mark.timeout(120)
+def test_ulysses_equals_modelopt_one_process(cp_runs):
+    """The draft's TTT attention and the target's attention by Ulysses all-to-alls (W = 2,
+    draft vocabulary 64): ModelOpt's one-process losses and gradients again."""
+    for rank, results in enumerate(cp_runs(2, "ulysses", (CASES[0],))):
+        loss_err, grad_err, _ = results[CASES[0]]
+        assert loss_err <= FP32_TOL and grad_err <= FP32_TOL, (rank, loss_err, grad_err)
 
 
 @pytest.mark.timeout(120)
