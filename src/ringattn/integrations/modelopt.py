@@ -41,6 +41,7 @@ import torch.distributed as dist
 from modelopt.torch.speculative.eagle.conversion import EagleDMRegistry
 from modelopt.torch.speculative.plugins.hf_eagle import HFEagleModel
 from modelopt.torch.speculative.plugins.modeling_eagle import EagleBaseModelOutput
+from modelopt.torch.speculative.plugins.modeling_final_norm import _maybe_apply_base_final_norm
 from modelopt.torch.speculative.utils import temporary_set_config_value
 from transformers import DynamicCache, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -236,9 +237,7 @@ class RingEagleModel(HFEagleModel):
             if offline is None:
                 raise ValueError("an offline Eagle model needs base_model_outputs")
             base = EagleBaseModelOutput.from_offline_dict(offline)
-            if base.logits is None:
-                from modelopt.torch.speculative.plugins.modeling_final_norm import (
-                    _maybe_apply_base_final_norm)
+            if base.logits is None:  # ModelOpt's own rule for a pre-norm hidden state
                 base.logits = self._base_model_lm_head(
                     _maybe_apply_base_final_norm(base.out_hiddens, offline,
                                                  self._base_model_norm))
