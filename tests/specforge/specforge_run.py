@@ -135,8 +135,16 @@ def _record(run, out: str | None) -> None:
         torch.save({"logs": logs, "grads": grads, "final": final}, out)
 
 
-def reference(work: str, out: str) -> None:
-    """SpecForge's own ``specforge train`` worker path on one gloo rank (no CP)."""
+def reference(work: str, out: str, world: int = 1) -> None:
+    """SpecForge's own ``specforge train`` worker path on one gloo rank (no CP), or on
+    ``world`` ranks of SpecForge's own data parallelism (no CP)."""
+    if world == 1:
+        _reference_worker(0, 1, _port(), work, out)
+    else:
+        _spawn(_reference_worker, world, work, out)
+
+
+def _reference_worker(rank, world, port, work, out):
     from accelerate.utils import set_seed
     from specforge.application import build_application_run, resolve_run
     from specforge.config import load_config
@@ -147,25 +155,26 @@ def reference(work: str, out: str) -> None:
         from specforge.core.loss import _compute_loss
 
         model.LogSoftmaxLoss = types.SimpleNamespace(apply=_compute_loss)
-    cfg = load_config(write_run(work, "reference", architecture="LlamaForCausalLMEagle3"))
+    name = "reference" if world == 1 else f"reference-dp{world}"
+    cfg = load_config(write_run(work, name, architecture="LlamaForCausalLMEagle3"))
     resolved = resolve_run(cfg)
     os.environ["FSDP_SHARDING"] = cfg.training.fsdp_sharding
     set_seed(cfg.training.seed)
-    _env(0, 1, _port())
+    _env(rank, world, port)
     init_distributed(timeout=cfg.training.dist_timeout, tp_size=1)
     try:
-        _record(build_application_run(resolved), out)
+        _record(build_application_run(resolved), out if rank == 0 else None)
     finally:
         destroy_distributed()
 
 
-def _ring_worker(rank, world, port, yaml, out):
+def _ring_worker(rank, world, port, yaml, out, cp_size):
     _env(rank, world, port)
     from specforge.distributed import destroy_distributed
 
     from ringattn.integrations.specforge import build
 
-    run = build(yaml, cp_size=world)
+    run = build(yaml, cp_size=cp_size)
     try:
         _record(run, out if rank == 0 else None)
     finally:
@@ -256,19 +265,22 @@ def main() -> None:
     ap.add_argument("mode", choices=("fixture", "reference", "ring", "refusals"))
     ap.add_argument("work")
     ap.add_argument("out", nargs="?")
-    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--world", type=int, default=None, help="default: 1 for reference, else 2")
     ap.add_argument("--layout", default="zigzag")
     ap.add_argument("--strategy", default="ring")
+    ap.add_argument("--cp-size", type=int, default=None, help="default: the world")
     a = ap.parse_args()
+    a.world = a.world or (1 if a.mode == "reference" else 2)
     if a.mode == "fixture":
         fixture(a.work)
     elif a.mode == "reference":
-        reference(a.work, a.out)
+        reference(a.work, a.out, a.world)
     elif a.mode == "ring":
-        yaml = write_run(a.work, f"ring-w{a.world}-{a.layout}-{a.strategy}",
-                         architecture="RingLlamaForCausalLMEagle3",
+        cp = a.cp_size or a.world
+        name = f"ring-w{a.world}-{a.layout}-{a.strategy}" + ("" if cp == a.world else f"-cp{cp}")
+        yaml = write_run(a.work, name, architecture="RingLlamaForCausalLMEagle3",
                          ringattn={"layout": a.layout, "strategy": a.strategy})
-        _spawn(_ring_worker, a.world, yaml, a.out)
+        _spawn(_ring_worker, a.world, yaml, a.out, cp)
     else:
         _spawn(_refusal_worker, a.world, a.work, a.out)
 

@@ -93,6 +93,38 @@ def test_specforge_trainer_under_cp_equals_its_one_process_training(work, world,
     assert weights <= TOL
 
 
+def _compare(cp, ref, label):
+    assert len(ref["logs"]) == len(cp["logs"]) == len(ref["grads"]) == len(cp["grads"]) == 6
+    worst = {"loss": 0.0, "metric": 0.0, "grad": 0.0}
+    for i, (m, r) in enumerate(zip(cp["logs"], ref["logs"])):
+        loss = _rel(m["loss"], r["loss"])
+        metric = max(_rel(m[k], r[k]) for k in r
+                     if k.startswith(("ploss_", "acc", "grad_norm")) and r[k] != 0)
+        assert all(m[k] == r[k] for k in r if k.startswith("acc") and r[k] == 0)
+        assert cp["grads"][i].keys() == ref["grads"][i].keys()
+        grad = max(_rel(cp["grads"][i][k], ref["grads"][i][k]) for k in ref["grads"][i])
+        print(f"[{label}] step {i + 1}: loss {m['loss']:.7f} (reference {r['loss']:.7f}, rel "
+              f"{loss:.1e}), worst metric rel {metric:.1e}, worst gradient rel {grad:.1e}")
+        assert loss <= TOL and metric <= TOL and grad <= TOL, (i, loss, metric, grad)
+        worst = {"loss": max(worst["loss"], loss), "metric": max(worst["metric"], metric),
+                 "grad": max(worst["grad"], grad)}
+    weights = max(_rel(cp["final"][k], ref["final"][k]) for k in ref["final"])
+    print(f"[{label}] worst over 6 steps: loss {worst['loss']:.1e}, metrics "
+          f"{worst['metric']:.1e}, gradients {worst['grad']:.1e}; final weights {weights:.1e}")
+    assert weights <= TOL
+
+
+@pytest.mark.timeout(600)
+def test_dp_by_cp_equals_specforge_data_parallel_training(work):
+    """4 ranks as 2 DP replicas x CP 2 (``--cp-size 2``) against SpecForge's own training on
+    2 DP ranks without CP: the same samples per replica, the same losses (SpecForge reduces
+    them over the world), gradients and weights."""
+    _run("reference", work, work / "reference-dp2.pt", "--world", 2)
+    _run("ring", work, work / "ring-w4-cp2.pt", "--world", 4, "--cp-size", 2)
+    _compare(torch.load(work / "ring-w4-cp2.pt"), torch.load(work / "reference-dp2.pt"),
+             "W=4 = DP 2 x CP 2, zigzag ring, vs SpecForge DP 2")
+
+
 @pytest.mark.timeout(600)
 def test_refusals_raise_the_same_error_on_every_rank(work):
     world = 2

@@ -226,6 +226,7 @@ def training_model_class():
                 hidden_states = hidden_states[:, keep]
             ahead = keep + idx  # the teacher tensors are padded by ttt_length rows
             self.share = len(keep) / T
+            self.rows = T / dist.get_world_size(group)  # each rank's part of B * T
             return StepState(
                 input_ids=global_input_ids[:, keep], hidden_states=hidden_states,
                 position_ids=position_ids[:, keep], attention_mask=attention_mask,
@@ -252,6 +253,19 @@ def training_model_class():
 
         def _acc_and_loss(self, *, logits, target_p, target_p_on_draft, target_token_ids,
                           position_mask, loss_mask, adapter):
+            # the loss is global on every rank of the group; its weight in SpecForge's
+            # metric reduction over the world (sum of loss * B * rows over sum of B * rows)
+            # is B * T per CP group, shared among its ranks (as one DP rank's B * T)
+            out = self._local_acc_and_loss(
+                logits=logits, target_p=target_p, target_p_on_draft=target_p_on_draft,
+                target_token_ids=target_token_ids, position_mask=position_mask,
+                loss_mask=loss_mask, adapter=adapter)
+            rows = torch.tensor(logits.shape[0] * adapter.rows, device=logits.device,
+                                dtype=torch.float32)
+            return (*out[:-1], rows)
+
+        def _local_acc_and_loss(self, *, logits, target_p, target_p_on_draft,
+                                target_token_ids, position_mask, loss_mask, adapter):
             if logits.is_cuda:  # SpecForge's Triton loss
                 return super()._acc_and_loss(
                     logits=logits, target_p=target_p, target_p_on_draft=target_p_on_draft,
