@@ -103,9 +103,12 @@ def make_trainer(ref, out, attn="eager", cp_size=None, strategy="ring", ulysses_
 
 
 def accumulate(ref, out):
-    trainer = make_trainer(ref, out / "accumulate", gradient_accumulation_steps=2, max_steps=3)
-    trainer.train()
-    res = {"loss": logged(trainer, "loss"), "grad_norm": logged(trainer, "grad_norm")}
+    # logging every 2 steps of 3: the last step's loss reaches train_loss unlogged
+    trainer = make_trainer(ref, out / "accumulate", gradient_accumulation_steps=2, max_steps=3,
+                           logging_steps=2)
+    result = trainer.train()
+    res = {"loss": logged(trainer, "loss"), "grad_norm": logged(trainer, "grad_norm"),
+           "train_loss": result.training_loss}
     res["eval_loss_only"] = trainer.evaluate()["eval_loss"]  # no compute_metrics: losses only
     trainer.compute_metrics = token_metrics
     res.update(trainer.evaluate())

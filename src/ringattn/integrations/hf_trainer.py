@@ -254,6 +254,16 @@ class RingTrainer(Trainer):
         loss = outputs.loss * self.accelerator.num_processes
         return (loss, outputs) if return_outputs else loss
 
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Trainer's step (backward of this rank's share of the loss, times W); returns the
+        global loss, the same on every rank (one all-reduce of a scalar), so that what
+        Trainer accumulates, logs and reports as ``train_loss`` (including the steps after
+        the last log, which Trainer adds without gathering) is the one-process value."""
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        total = loss.detach().clone()
+        dist.all_reduce(total)  # every process's share of the accumulated batch, times W
+        return total / self.accelerator.num_processes
+
     # ---- evaluation and prediction --------------------------------------------------
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
