@@ -24,7 +24,8 @@ from reference import reference, rel_err, visible  # noqa: E402
 S, H, HKV, D = 37, 4, 2, 16  # S divides neither W nor 2W
 
 
-def main(out_dir: Path) -> None:
+def main(out_dir: Path, keep_group: bool = False) -> None:
+    """The checks on this launcher's ranks; ``keep_group``: leave the group up for more."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, local = dist.get_rank(), int(os.environ["LOCAL_WORLD_SIZE"])
@@ -49,7 +50,8 @@ def main(out_dir: Path) -> None:
               "local_rank": int(os.environ["LOCAL_RANK"]), "mesh": mesh.mesh.tolist(),
               "errors": errors}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
-    dist.destroy_process_group()
+    if not keep_group:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -14,28 +14,19 @@ reader's (``device``, ``dp``, ``cp``, ``model``, ``my_rows``, ``lr``); the losse
 computes are read by a forward hook on the model.
 """
 
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from models import tiny_causal_lm
+from readme_blocks import readme_block
 
 pytest.importorskip("transformers")
 
 STEPS, LR, SEQLEN = 5, 0.5, 29
-README = Path(__file__).resolve().parents[2] / "README.md"
 MARKER = 'mesh = init_device_mesh(device, (dp, cp), mesh_dim_names=("dp", "cp"))'
 """A line of the README's FSDP2 block (and of no other block)."""
-
-
-def readme_block() -> str:
-    """The README's ```python block that holds ``MARKER``, verbatim."""
-    text = README.read_text()
-    at = text.index(MARKER)
-    start = text.rindex("```python\n", 0, at) + len("```python\n")
-    return text[start:text.index("```", start)]
 
 
 def _batches():
@@ -56,7 +47,7 @@ def fsdp_cp_losses():
     rows = [dict(input_ids=ids[dp_rank:dp_rank + 1], labels=ids[dp_rank:dp_rank + 1])
             for ids in _batches()]
     names = {"device": "cpu", "dp": 2, "cp": 2, "model": model, "my_rows": rows, "lr": LR}
-    exec(compile(readme_block(), "README.md (FSDP2 block)", "exec"), names)
+    exec(compile(readme_block(MARKER), "README.md (FSDP2 block)", "exec"), names)
     assert names["mesh"]["dp"].get_local_rank() == dp_rank and len(seen) == STEPS
     losses = torch.stack(seen)  # this rank's share of its row's mean, per step
     dist.all_reduce(losses)  # summed over the 4 ranks: row 0's mean + row 1's mean

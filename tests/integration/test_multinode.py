@@ -23,19 +23,10 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-README = HERE.parents[1] / "README.md"
 MARKER = 'mesh = ra.hybrid_mesh(ulysses=int(os.environ["LOCAL_WORLD_SIZE"]))'
 """A line of the README's multi-node block (and of no other block)."""
 TOL = 1e-5
 LIMIT_S = 150
-
-
-def readme_block() -> str:
-    """The README's ```python block that holds ``MARKER``, verbatim."""
-    text = README.read_text()
-    at = text.index(MARKER)
-    start = text.rindex("```python\n", 0, at) + len("```python\n")
-    return text[start:text.index("```", start)]
 
 
 def _free_port() -> int:
@@ -88,6 +79,7 @@ def readme_block_on_ranks(out_dir: Path) -> None:
     import torch.distributed as dist
 
     import ringattn as ra
+    from readme_blocks import readme_block
     from reference import reference, rel_err, visible
 
     S, H, HKV, D = 41, 4, 2, 16
@@ -97,7 +89,7 @@ def readme_block_on_ranks(out_dir: Path) -> None:
     dout = torch.randn(1, S, H, D, generator=g)
     q_l, k_l, v_l = (ra.shard(t, layout="zigzag", seqlen=S) for t in (q, k, v))
     names = {"ra": ra, "q_l": q_l, "k_l": k_l, "v_l": v_l, "S": S}
-    exec(compile(readme_block(), "README.md (multi-node block)", "exec"), names)
+    exec(compile(readme_block(MARKER), "README.md (multi-node block)", "exec"), names)
     out = ra.unshard(names["out"], layout="zigzag", seqlen=S)  # [1, S, H, D] on every rank
     out.backward(dout)  # q.grad, k.grad, v.grad: the full gradients, every rank
     ref = reference(q, k, v, dout, visible(S, True, (-1, -1)))
@@ -110,16 +102,12 @@ def readme_block_on_ranks(out_dir: Path) -> None:
 
 def _rank_main(out_dir: Path) -> None:
     """One worker: multinode_run.py's checks, then the README block on the same ranks."""
-    from unittest import mock
-
     import torch.distributed as dist
 
     sys.path[:0] = [str(HERE), str(HERE.parent)]  # multinode_run; tests/: the oracle
     import multinode_run
 
-    # multinode_run.main ends by destroying the group; keep it for the README block
-    with mock.patch.object(dist, "destroy_process_group"):
-        multinode_run.main(out_dir)
+    multinode_run.main(out_dir, keep_group=True)  # the README block runs on the same group
     try:
         readme_block_on_ranks(out_dir)
     finally:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import ringattn as ra
 from models import tiny_causal_lm as _model
+from readme_blocks import readme_block
 from reference import rel_err
 
 pytest.importorskip("transformers")
@@ -107,23 +108,13 @@ def test_model_equals_one_process(clusters, worst_errors, family, kind, layout, 
             assert err < TOL, (rank, name, err)
 
 
-def _readme_block(first_line: str) -> str:
-    """The README's ```python block that starts with ``first_line``, verbatim."""
-    import pathlib
-
-    text = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
-    start = text.index("```python\n" + first_line) + len("```python\n")
-    return text[start:text.index("```", start)]
-
-
 def readme_training_recipe():
     """Rank side: the README's "Training transformers models" block run exactly as printed,
     given the names it says are the reader's (config, batch, cp_group): (loss error, worst
     gradient error) against the same weights in one process. The config is transformers'
     default ("eager" attention): the block itself must select ring attention (a block that
     left it to a comment once attended over each rank's shard alone, with no error)."""
-    block = _readme_block("import torch.distributed as dist\nfrom transformers import "
-                          "AutoModelForCausalLM\n\nfrom ringattn.integrations import transformers")
+    block = readme_block("out.loss.backward()                               # this rank's share")
     batch = _batch("left-padding", 29)
     config = _model("llama", "eager").config  # a fresh copy of the tiny config
     names = {"config": config, "batch": batch, "cp_group": dist.group.WORLD}

@@ -43,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (models.py)
 from models import tiny_causal_lm  # noqa: E402
+from readme_blocks import readme_block  # noqa: E402
 
 SEQLEN, VOCAB = 37, 97
 
@@ -200,13 +201,6 @@ def hybrid(ref, out):
     return res
 
 
-def _readme_block(first_line: str) -> str:
-    """The README's ```python block that starts with ``first_line``, verbatim."""
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    start = text.index("```python\n" + first_line) + len("```python\n")
-    return text[start:text.index("```", start)]
-
-
 def readme(ref, out):
     """The README's RingTrainer block as printed (CP), or the same run in one process."""
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
@@ -225,9 +219,7 @@ def readme(ref, out):
                           eval_dataset=names["ev"])
         trainer.train()
     else:
-        block = _readme_block("from transformers import AutoModelForCausalLM\n\nfrom ringattn."
-                              "integrations import transformers as ra_hf\nfrom ringattn."
-                              "integrations.hf_trainer import RingTrainer")
+        block = readme_block("from ringattn.integrations.hf_trainer import RingTrainer")
         exec(compile(block, "README.md", "exec"), names)
         trainer = names["trainer"]
     res = {"loss": logged(trainer, "loss"), "grad_norm": logged(trainer, "grad_norm")}

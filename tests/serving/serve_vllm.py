@@ -26,7 +26,11 @@ the result's ``"readme"``.
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (readme_blocks.py)
+from readme_blocks import readme_block  # noqa: E402
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -34,17 +38,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 K = 3
 """Speculative tokens per round."""
-README = Path(__file__).resolve().parents[2] / "README.md"
 MARKER = "from vllm import LLM, SamplingParams"
 """The first line of the README's vLLM block (and of no other block)."""
-
-
-def readme_block() -> str:
-    """The README's ```python block that holds ``MARKER``, verbatim."""
-    text = README.read_text()
-    at = text.index(MARKER)
-    start = text.rindex("```python\n", 0, at) + len("```python\n")
-    return text[start:text.index("```", start)]
 
 
 def serve_readme(run: dict) -> list[int]:
@@ -54,7 +49,7 @@ def serve_readme(run: dict) -> list[int]:
     here = os.getcwd()
     os.chdir(run["dir"])
     try:
-        exec(compile(readme_block(), "README.md (vLLM block)", "exec"), names)
+        exec(compile(readme_block(MARKER), "README.md (vLLM block)", "exec"), names)
     finally:
         os.chdir(here)
     ids = list(names["out"][0].outputs[0].token_ids)
