@@ -95,10 +95,12 @@ def _is_hf_dataset(dataset) -> bool:
     return isinstance(dataset, datasets.Dataset)
 
 
-class RingTrainer(Trainer):
-    """``Trainer`` for causal LMs with ``attn_implementation="ringattn"`` (see module doc).
+class RingTrainerMixin:
+    """Context parallelism for a ``Trainer`` or a subclass of one: put it first among the
+    bases, ``class MyTrainer(RingTrainerMixin, SomeTrainer)``. ``RingTrainer`` is
+    ``RingTrainerMixin`` over transformers' ``Trainer``.
 
-    Arguments (besides Trainer's):
+    Arguments (besides the trainer's):
         layout: "zigzag" (per document for packed batches), "contiguous" or "striped".
         strategy: "auto", "ring", "ulysses", "allgather" or "hybrid" (docs/strategies.md).
         ulysses_size: with strategy "hybrid", ranks of the Ulysses dimension (consecutive
@@ -130,8 +132,8 @@ class RingTrainer(Trainer):
                  strategy: str = "ring", ulysses_size: int = 8, **kwargs):
         super().__init__(*args, **kwargs)
         if not dist.is_initialized():
-            raise ValueError("RingTrainer needs torch.distributed initialised: launch it with "
-                             "torchrun, or accelerate launch with a distributed_type: MULTI_GPU "
+            raise ValueError(f"{type(self).__name__} needs torch.distributed initialised: "
+                             "launch it with torchrun, or accelerate launch with a distributed_type: MULTI_GPU "
                              "config (a MULTI_CPU config starts one process)")
         if self.compute_loss_func is not None:
             raise ValueError("RingTrainer computes the causal-LM loss itself; compute_loss_func "
@@ -317,6 +319,12 @@ class RingTrainer(Trainer):
         if state.end_of_dataloader and state.remainder > 0:
             return recursively_apply(lambda t: t[: state.remainder], data)
         return data
+
+
+
+class RingTrainer(RingTrainerMixin, Trainer):
+    """transformers' ``Trainer`` for causal LMs with ``attn_implementation="ringattn"``,
+    context-parallel (see the module doc and ``RingTrainerMixin`` for the arguments)."""
 
 
 def _check_ranks_are_processes(accelerator, args) -> None:
