@@ -437,5 +437,115 @@ def test_eagle_ring_trainer_equals_modelopt_trainer(tmp_path):
             assert err <= FP32_TOL, (rank, name, err)
 
 
+# ---- the export: what vLLM and SGLang serve from ModelOpt's draft ---------------------
+
+SERVE_LAYERS = 7
+"""The smallest target for which ModelOpt's default aux layers are three distinct ids."""
+
+
+def _served_case(input_norm_scale: float):
+    """A converted 7-layer target whose draft's weights are all moved off their
+    initialisation (as training moves them) except, with ``input_norm_scale`` 0, the
+    ``input_layernorm`` weight."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=SERVE_LAYERS,
+                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                      head_dim=HEAD_DIM, vocab_size=VOCAB, max_position_embeddings=256)
+    cfg._attn_implementation = "sdpa"
+    model = _convert(LlamaForCausalLM(cfg).float(), 64, False).eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.eagle_module.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "input_layernorm" in name:
+                p.copy_(1 + input_norm_scale * noise)
+            elif "norm" in name:
+                p.copy_(1 + 0.5 * noise)
+            else:
+                p.add_(0.05 * noise)
+    return model
+
+
+@torch.no_grad()
+def _proposals(model, draft, prompt: torch.Tensor, k: int = 3, double_norm: bool = False):
+    """(ModelOpt's ``pseudo_speculative_generate`` proposals and step-0 draft logits, the
+    served draft's (``ringattn.eagle3.evaluate.draft_chain``) for the same prompt)."""
+    from ringattn.eagle3 import evaluate
+
+    base_token, theirs = model.pseudo_speculative_generate(prompt, steps=k)
+    keep = []
+    hooks = [model.model.layers[i].register_forward_hook(lambda m, a, o: keep.append(o))
+             for i in model.eagle_config.eagle_aux_hidden_state_layer_ids]
+    try:
+        LlamaForCausalLM.forward(model, input_ids=prompt)
+    finally:
+        for h in hooks:
+            h.remove()
+        model.pop_and_gather_aux_hiddens()
+    aux = torch.cat(keep, dim=-1)
+    ids = torch.cat([prompt[:, 1:], base_token], dim=-1)
+    mask = model._prepare_decoder_attention_mask(None, ids.shape, 0, aux.device, aux.dtype)
+    _, _, their_logits, _ = model._eagle_forward(model.eagle_module.fc(aux),
+                                                 model._base_model_embeddings(ids), mask, None)
+    original = draft.hidden_norm.forward
+    if double_norm:  # ModelOpt's attention input, emulated on the served draft
+        draft.hidden_norm.forward = lambda h: original(draft.input_layernorm(h))
+    try:
+        ours, our_logits = evaluate.draft_chain(draft, torch.cat([prompt, base_token], 1), aux, k)
+    finally:
+        draft.hidden_norm.forward = original
+    return theirs[0].tolist(), their_logits[0, -1], ours, our_logits[0]
+
+
+PROMPTS = [torch.randint(1, VOCAB, (1, 10), generator=torch.Generator().manual_seed(i))
+           for i in range(4)]
+
+
+@pytest.mark.parametrize("scale", [0.0, 0.5])
+def test_served_draft_is_modelopts_draft_but_for_its_double_norm(scale):
+    """ModelOpt feeds its draft's attention hidden_norm(input_layernorm(h)); the servers
+    (``served_draft``) hidden_norm(h). With that double normalisation emulated on the served
+    draft, its step-0 logits equal ModelOpt's to 1e-5 and it proposes ModelOpt's tokens (the
+    export carries every weight, the draft vocabulary, the aux layers and the RoPE); without
+    it they differ: through RMSNorm's epsilon while input_layernorm's weight is one, by far
+    more once training moves it."""
+    model = _served_case(scale)
+    draft = ra_mo.served_draft(model).eval()
+    assert draft.aux_layers == tuple(model.eagle_config.eagle_aux_hidden_state_layer_ids)
+    assert len(set(draft.aux_layers)) == 3
+    worst = 0.0
+    for prompt in PROMPTS:
+        theirs, their_logits, ours, emulated = _proposals(model, draft, prompt, double_norm=True)
+        assert theirs == ours
+        assert rel_err(emulated, their_logits) <= FP32_TOL
+        _, _, _, served = _proposals(model, draft, prompt)
+        worst = max(worst, rel_err(served, their_logits))
+    print(f"\ninput_layernorm weight 1 + {scale} N(0, 1): served vs ModelOpt's step-0 "
+          f"logits, worst relative error {worst:.2g}")
+    assert worst > (0.05 if scale else 1e-5), worst
+
+
+def test_export_draft_round_trips_and_reads_modelopts_own_export(tmp_path):
+    """``export_draft`` writes both formats (warning about the double norm), and they, like
+    ModelOpt's own export (d2t only, "layers.0." names), read back as ``served_draft``."""
+    from ringattn.eagle3 import load_draft
+
+    model = _served_case(0.5)
+    mine = ra_mo.served_draft(model).state_dict()
+    with torch.no_grad():
+        model.get_exporter().export(tmp_path / "modelopt")
+    for name in ("modelopt", "speculators", "sglang"):
+        if name != "modelopt":
+            with pytest.warns(UserWarning, match="hidden_norm\\(input_layernorm"):
+                ra_mo.export_draft(model, tmp_path / name, name)
+        back = load_draft(tmp_path / name,
+                          embed_tokens=model.get_input_embeddings().weight).state_dict()
+        for key, t in mine.items():
+            if name == "modelopt" and "rotary" in key:
+                continue  # ModelOpt's own export writes YaRN RoPE (factor 32) by default
+            assert torch.equal(back[key], t), (name, key)
+    with pytest.raises(TypeError, match="HFEagleModel"):
+        ra_mo.served_draft(_target(LlamaForCausalLM, "sdpa"))
+
 if __name__ == "__main__":
     _trainer_main(sys.argv[1])

@@ -262,10 +262,21 @@ def test_whole_vocabulary_exports_without_a_mapping(tmp_path, target, fmt):
     w["d2t"], w["t2d"] = torch.zeros(96, dtype=torch.long), torch.ones(96, dtype=torch.bool)
     save_file(w, tmp_path / "plain" / "model.safetensors")
     _round_trip(draft, load_draft(tmp_path / "plain", embed_tokens=embed))
-    # one of the two without the other is a broken file
-    del w["t2d"]
+    # d2t alone (ModelOpt's exports; vLLM ignores t2d) implies t2d and loads the same
+    t2d = w.pop("t2d")
     save_file(w, tmp_path / "plain" / "model.safetensors")
-    with pytest.raises(ValueError, match=r"lacks \['t2d'\]"):
+    _round_trip(draft, load_draft(tmp_path / "plain", embed_tokens=embed))
+    # ... but not when d2t repeats an id (nothing to check it against but itself)
+    w["d2t"] = torch.zeros(96, dtype=torch.long)
+    w["d2t"][1] = -1  # draft ids 0 and 1 both map to target id 0
+    save_file(w, tmp_path / "plain" / "model.safetensors")
+    with pytest.raises(ValueError, match="repeats an id"):
+        load_draft(tmp_path / "plain", embed_tokens=embed)
+    # t2d alone does not order the draft ids: a broken file
+    w["t2d"] = t2d
+    del w["d2t"]
+    save_file(w, tmp_path / "plain" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"lacks \['d2t'\]"):
         load_draft(tmp_path / "plain", embed_tokens=embed)
 
 

@@ -51,6 +51,7 @@ _LAYER = ("input_layernorm", "hidden_norm", "post_attention_layernorm", "mlp") +
 """Our top-level modules that form the decoder layer (``midlayer`` / ``layers.0``)."""
 _PREFIX = {"sglang": "midlayer.", "speculators": "layers.0."}
 _EMBEDDING = "embed_tokens.weight"
+_MIDLAYER, _LAYER_ZERO = "midlayer.", "layers.0."
 _MAPPING = ("d2t", "t2d")
 """The vocabulary mapping, left out for a whole-vocabulary draft (identity)."""
 
@@ -119,7 +120,7 @@ def load_draft(path: str | os.PathLike, *, embed_tokens: torch.Tensor | None = N
     """
     path = os.fspath(path)
     spec = _read_config(path)
-    weights = _read_weights(path)
+    weights = _with_t2d(_sglang_names(_read_weights(path), spec), spec)
     draft = Eagle3Draft(_llama_config(spec.layer), spec.target_hidden_size,
                         _draft_ids(weights, spec), spec.aux_layers)
     state = _our_state(weights, spec.format, draft, path)
@@ -330,7 +331,12 @@ def _sglang_spec(config: dict, file: str) -> _Spec:
                    ("eagle_config.use_aux_hidden_state",
                     not eagle.get("use_aux_hidden_state", True)),
                    ("fc_norm", bool(config.get("fc_norm", False))),
-                   ("norm_output", not config.get("norm_output", True))])
+                   ("norm_output", not config.get("norm_output", True)),
+                   # ModelOpt's export writes these (docs/modelopt.md, "Serving")
+                   ("eagle_config.use_last_layernorm", not eagle.get("use_last_layernorm", True)),
+                   ("eagle_config.use_mtp_layernorm", bool(eagle.get("use_mtp_layernorm", False))),
+                   ("eagle_config.parallel_draft_step",
+                    eagle.get("parallel_draft_step", 1) != 1)])
     _require(config, file)
     ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     return _Spec("sglang", config, _target_hidden(config, config),
@@ -437,6 +443,29 @@ def _read_weights(path: str) -> dict[str, torch.Tensor]:
     if not os.path.isfile(file):
         raise ValueError(f"{path!r} has no model.safetensors")
     return load_file(file)
+
+
+def _sglang_names(weights: dict, spec: _Spec) -> dict:
+    """``weights`` of an SGLang-format file with its one layer named "midlayer.": ModelOpt's
+    export names it "layers.0." (vLLM renames "midlayer." to that, so both read the same)."""
+    if spec.format != "sglang" or any(k.startswith(_MIDLAYER) for k in weights):
+        return weights
+    return {_MIDLAYER + k[len(_LAYER_ZERO):] if k.startswith(_LAYER_ZERO) else k: t
+            for k, t in weights.items()}
+
+
+def _with_t2d(weights: dict, spec: _Spec) -> dict:
+    """``weights`` with ``t2d`` added where the file has ``d2t`` alone (ModelOpt's export):
+    the indicator of the target ids ``d2t`` gives (ids outside the vocabulary are left to
+    ``_draft_ids`` to name)."""
+    d2t = weights.get("d2t")
+    if d2t is None or "t2d" in weights or d2t.dtype.is_floating_point or d2t.dim() != 1:
+        return weights
+    vocab = int(spec.layer["vocab_size"])
+    ids = d2t.long() + torch.arange(d2t.numel())
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids[(ids >= 0) & (ids < vocab)]] = True
+    return {**weights, "t2d": t2d}
 
 
 def _draft_ids(weights: dict, spec: _Spec) -> torch.Tensor:

@@ -57,7 +57,8 @@ from . import transformers as ra_hf
 from .hf_trainer import RingTrainer
 
 __all__ = ["TTT_NAME", "PADDING_MODES", "TTTMask", "RingEagleModel", "EagleRingTrainer",
-           "register", "shard_eagle_batch", "ttt_attention_forward"]
+           "register", "shard_eagle_batch", "ttt_attention_forward", "served_draft",
+           "export_draft"]
 
 TTT_NAME = "ringattn_eagle3"
 """The draft's attention implementation while ``RingEagleModel`` trains under CP."""
@@ -450,6 +451,71 @@ def register(target=None) -> str:
                          f"HFEagleModel): call register before converting any {cls.__name__}")
     EagleDMRegistry.register({cls: f"ringattn.{cls.__name__}"})(RingEagleModel)
     return TTT_NAME
+
+
+def served_draft(model):
+    """The ``ringattn.eagle3.Eagle3Draft`` that vLLM and SGLang compute from ModelOpt's
+    export of ``model``'s draft (its weights, draft vocabulary and auxiliary layers, the
+    RoPE it was trained with), on the CPU.
+
+    It is not exactly the function ModelOpt trains: ModelOpt 0.47 feeds the draft's
+    attention ``hidden_norm(input_layernorm(h))`` (its pre-hook runs after the decoder
+    layer's own ``input_layernorm``), the servers ``hidden_norm(h)``. The two differ through
+    RMSNorm's epsilon while ``input_layernorm``'s weight is one, and by much more once
+    training moves it (docs/modelopt.md, "Serving"). ``export_draft`` warns.
+
+    Raises:
+        TypeError: ``model`` is not a ModelOpt Eagle model.
+        ValueError: what ``ringattn.eagle3.load_draft`` refuses (a draft other than one
+            Llama layer with aux hidden states, ModelOpt's MTP / parallel draft options).
+    """
+    import tempfile
+
+    from ..eagle3.export import load_draft
+
+    if not isinstance(model, HFEagleModel):
+        raise TypeError(f"served_draft takes a model converted by mtsp.convert (an "
+                        f"HFEagleModel), got {type(model).__name__}")
+    with tempfile.TemporaryDirectory() as tmp, \
+            temporary_set_config_value(model, "eagle_export_rope_scaling", {}):
+        model.get_exporter().export(tmp)  # ModelOpt's own exporter, at the trained RoPE
+        return load_draft(tmp, embed_tokens=model.get_input_embeddings().weight)
+
+
+def export_draft(model, path, format: str = "speculators", *, target=None) -> None:
+    """Write ``model``'s ModelOpt draft into directory ``path`` so that vLLM serves the
+    auxiliary layers it was trained on (``ringattn.eagle3.export_draft`` of
+    ``served_draft(model)``; "speculators" is vLLM's format, "sglang" SpecForge's).
+
+    ModelOpt 0.47's own export writes its layer ids in ``eagle_config``, which vLLM 0.32
+    reads as hidden-state indices, one layer early (tests/serving/test_vllm.py shows vLLM
+    proposing other tokens from it); and by default it exports YaRN RoPE (factor 32) for a
+    draft trained with the default RoPE. This export writes the ids in each server's
+    meaning and the RoPE the draft was trained with.
+
+    Warns (``UserWarning``, naming how far ``input_layernorm``'s weight is from one): the
+    served draft is not exactly the trained one (see ``served_draft``).
+
+    Arguments:
+        target: as ``ringattn.eagle3.export_draft``'s (recorded for "speculators"); None:
+            the model's own ``name_or_path`` when it is a local directory.
+    """
+    import os
+    import warnings
+
+    from ..eagle3.export import export_draft as _export
+
+    draft = served_draft(model)
+    norm = model.eagle_module.layers[0].input_layernorm.weight.detach().float()
+    warnings.warn(f"ModelOpt trains its draft on hidden_norm(input_layernorm(h)); vLLM and "
+                  f"SGLang compute hidden_norm(h) (input_layernorm's weight is "
+                  f"{float((norm - 1).abs().max()):.3g} from one at most): the served draft is "
+                  f"not exactly the trained one (docs/modelopt.md, 'Serving')", UserWarning,
+                  stacklevel=2)
+    if target is None:
+        name = getattr(model.config, "_name_or_path", None)
+        target = name if name and os.path.isdir(name) else None
+    _export(draft, path, format, target=target)
 
 
 if __name__ == "__main__":  # a library module: name the programs, do not exit 0
