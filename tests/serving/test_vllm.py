@@ -194,3 +194,114 @@ def test_vllm_serves_the_draft_as_trained(served, name):
         with open(record, "a") as f:
             f.write(json.dumps({"case": name, **{w: {"vllm": a, "ringattn": b, "rounds": n}
                                                  for w, (a, b, n) in stats.items()}}) + "\n")
+
+
+# ---- ModelOpt's drafts ---------------------------------------------------------------
+
+MODELOPT_LAYERS = 7
+"""The smallest target for which ModelOpt's default aux layers (1, 2, 3) are distinct."""
+
+
+def _modelopt_case(root):
+    """A 7-layer target (saved) converted by ModelOpt on ringattn (``ra_mo.register``), its
+    draft's weights moved off their initialisation as training moves them, but
+    ``input_layernorm`` left at one (see docs/modelopt.md, "Serving": ModelOpt's double
+    normalisation is the one difference the servers cannot reproduce); ModelOpt's own export
+    and ``ra_mo.export_draft``'s speculators export. tests/integration/test_modelopt.py shows
+    that the CP-trained draft is ModelOpt's, so a perturbed one stands for a trained one."""
+    import copy
+    import warnings
+
+    import modelopt.torch.speculative as mtsp
+    from modelopt.torch.speculative.config import EAGLE3_DEFAULT_CFG
+    from transformers import LlamaForCausalLM
+
+    from ringattn.integrations import modelopt as ra_mo
+
+    target_dir = str(root / "target")
+    target = build_target(Eagle3Config(**SIZES, target_layers=MODELOPT_LAYERS, seqlen=89),
+                          "sdpa")
+    target.save_pretrained(target_dir)
+    ra_mo.register(LlamaForCausalLM)
+    model = LlamaForCausalLM.from_pretrained(target_dir, attn_implementation="ringattn").float()
+    cfg = copy.deepcopy(EAGLE3_DEFAULT_CFG["config"])
+    cfg["eagle_use_torch_compile"] = False
+    cfg["eagle_architecture_config"].update(
+        num_attention_heads=SIZES["heads"], num_key_value_heads=SIZES["kv_heads"],
+        head_dim=SIZES["hidden"] // SIZES["heads"], intermediate_size=SIZES["intermediate"],
+        draft_vocab_size=64)
+    torch.manual_seed(1)
+    mtsp.convert(model, [("eagle", cfg)])
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        model.eagle_module.d2t.copy_(torch.arange(64))  # draft id i -> target id 2 i
+        for name, p in model.eagle_module.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "input_layernorm" in name:
+                continue
+            p.copy_(1 + 0.5 * noise) if "norm" in name else p.add_(0.05 * noise)
+    model.eval()
+    with torch.no_grad():
+        model.get_exporter().export(str(root / "modelopt-export"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the double-norm warning, known here
+        ra_mo.export_draft(model, root / "ringattn-export", "speculators", target=target_dir)
+        ra_mo.export_draft(model, root / "sglang-export", "sglang")
+    return {"target": target_dir, "modelopt-export": str(root / "modelopt-export"),
+            "ringattn-export": str(root / "ringattn-export"),
+            "sglang-export": str(root / "sglang-export"), "model": model}
+
+
+@pytest.fixture(scope="module")
+def served_modelopt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("modelopt")
+    case = _modelopt_case(root)
+    runs = [{"name": which, "target": case["target"], "draft": case[which]}
+            for which in ("modelopt-export", "ringattn-export", "sglang-export")]
+    plan = root / "plan.json"
+    plan.write_text(json.dumps({"prompts": PROMPTS, "max_tokens": NEW, "runs": runs}))
+    out = root / "vllm.json"
+    proc = subprocess.run([SERVING_PYTHON, os.path.join(HERE, "serve_vllm.py"), str(plan),
+                           str(out)], capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return case, json.loads(out.read_text())
+
+
+@pytest.mark.timeout(3600)
+def test_vllm_serves_a_modelopt_draft_as_ringattn_exports_it(served_modelopt):
+    """vLLM serves ``ra_mo.export_draft``'s export as ``ra_mo.served_draft`` computes it:
+    the target's greedy output, and in every round the proposals of speculative_generate
+    with that draft. ModelOpt's own export of the same draft, and the SGLang-format export
+    (SpecForge's), are served with other aux layers (vLLM reads their ``eagle_config`` ids as
+    hidden-state indices, one layer early): their proposals differ in some round."""
+    from ringattn.integrations import modelopt as ra_mo
+
+    case, vllm = served_modelopt
+    draft = ra_mo.served_draft(case["model"]).eval()
+    target = load_target(case["target"], attn_implementation="eager")
+    differs = {"modelopt-export": 0, "sglang-export": 0}
+    for i, prompt in enumerate(PROMPTS):
+        rounds = []
+
+        def propose(draft_, ids, aux, k):
+            rounds.append(evaluate.draft_chain(draft_, ids, aux, k)[0])
+            return rounds[-1]
+
+        original, evaluate._propose = evaluate._propose, propose
+        try:
+            out, _ = evaluate.speculative_generate(target, draft, torch.tensor(prompt),
+                                                   max_new_tokens=NEW, draft_len=K)
+        finally:
+            evaluate._propose = original
+        ours = vllm["ringattn-export"][i]
+        assert ours["output"] == out, i
+        for r, props in enumerate(rounds):
+            assert ours["proposals"][r][:len(props)] == props, (i, r)
+        for which in differs:
+            theirs = vllm[which][i]
+            assert theirs["output"] == out, (which, i)  # lossless whatever it proposes
+            differs[which] += any(a != b for a, b in zip(ours["proposals"], theirs["proposals"]))
+    print("\nvLLM's proposals differ from the draft's in: " + ", ".join(
+        f"{which} {n} of {len(PROMPTS)} prompts" for which, n in differs.items()))
+    assert all(differs.values()), differs
+
