@@ -334,6 +334,44 @@ def _by_hand(ns: dict, work: Path) -> None:
               batches=[{"input_ids": ids, "attention_mask": mask, "loss_mask": mask}] * 2)
 
 
+def _modelopt_export(ns: dict, work: Path) -> None:
+    """modelopt.md's serving block: a saved 7-layer target (three distinct default aux
+    layers) converted by ModelOpt on ringattn."""
+    import copy
+
+    import modelopt.torch.speculative as mtsp
+    import torch
+    from modelopt.torch.speculative.config import EAGLE3_DEFAULT_CFG
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ringattn.integrations import modelopt as ra_mo
+
+    ra_mo.register(LlamaForCausalLM)
+    torch.manual_seed(0)
+    target_dir = work / "modelopt-served-target"
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=7, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=8)).save_pretrained(target_dir)
+    model = LlamaForCausalLM.from_pretrained(target_dir, attn_implementation="ringattn")
+    cfg = copy.deepcopy(EAGLE3_DEFAULT_CFG["config"])
+    cfg["eagle_use_torch_compile"] = False
+    cfg["eagle_architecture_config"].update(num_attention_heads=4, num_key_value_heads=2,
+                                            head_dim=8, intermediate_size=64)
+    mtsp.convert(model, [("eagle", cfg)])
+    ns.update(model=model, target_dir=str(target_dir))
+
+
+def _check_modelopt_export(ns: dict) -> None:
+    import torch
+
+    from ringattn.eagle3 import load_draft
+
+    back = load_draft("draft-vllm")
+    assert back.aux_layers == ns["served"].aux_layers == (1, 2, 3)
+    want = ns["served"].state_dict()
+    assert all(torch.equal(t, want[k]) for k, t in back.state_dict().items())
+
+
 def _check_data(ns: dict) -> None:
     assert len(ns["rows"]) == 1 and ns["draft_ids"].numel() == 32000
     assert ns["t2d"].numel() == ns["V"]
@@ -354,6 +392,7 @@ LOCAL = {
     ("eagle3.md", 1): (_evaluation, _check_evaluation),
     ("eagle3_data.md", 0): (_data, _check_data),
     ("eagle3_formats.md", 0): (_sglang_load, None),
+    ("modelopt.md", 2): (_modelopt_export, _check_modelopt_export),
     ("README.md", "draft-by-hand"): (_by_hand, _check_by_hand),
 }
 """Blocks run in one process: (what makes their inputs, what checks their outputs)."""
