@@ -382,59 +382,123 @@ def _draft_state(model) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+CHATS = [  # ModelOpt's online data: OpenAI-format messages, tokenized by its collator
+    [{"role": "user", "content": "hello there how are you"},
+     {"role": "assistant", "content": "fine thanks and you"}],
+    [{"role": "user", "content": "what is two plus two"},
+     {"role": "assistant", "content": "four"}],
+    [{"role": "user", "content": "be brief"}, {"role": "assistant", "content": "fine"}],
+    [{"role": "user", "content": "how are you"},
+     {"role": "assistant", "content": "fine thanks what is two plus four"}],
+] * 2
+OFFLINE_LENGTHS = (13, 9, 11, 17, 6, 12, 10, 13)
+"""Offline dumps of these lengths; ModelOpt's collator pads them to S = 13 and cuts 17."""
+
+
+def _write_dumps(folder: Path) -> list[str]:
+    """What ModelOpt's ``compute_hidden_states_*`` scripts write, one ``.pt`` per sample:
+    ``input_ids`` [L], ``hidden_states`` [L, H] (post-norm) and ``aux_hidden_states``
+    [L, 2H] (the aux layers' outputs) of the 2-layer target."""
+    base = _target(LlamaForCausalLM, "sdpa")
+    aux = _convert(_target(OneProcessLlama, "sdpa"), 64, False) \
+        .eagle_config.eagle_aux_hidden_state_layer_ids
+    g = torch.Generator().manual_seed(9)
+    files = []
+    for i, n in enumerate(OFFLINE_LENGTHS):
+        ids = torch.randint(1, VOCAB, (1, n), generator=g)
+        out = _offline_outputs(base, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                               aux)
+        files.append(str(folder / f"sample{i}.pt"))
+        torch.save({"input_ids": ids[0], "hidden_states": out["base_model_hidden_states"][0],
+                    "aux_hidden_states": out["aux_hidden_states"][0]}, files[-1])
+    return files
+
+
+def _data_paths(folder: Path) -> dict:
+    """The three data paths, each (offline, dataset, collator): rows ModelOpt's collator
+    would give; ModelOpt's ``OfflineSupervisedDataset`` with its ``EagleOfflineDataCollator``
+    (the dumps must exist); ModelOpt's online ``LanguageDataCollator`` on chats (a
+    word-level chat tokenizer, right padding to S, shifted labels)."""
+    from modelopt.torch.speculative.eagle.utils import (EagleOfflineDataCollator,
+                                                        OfflineSupervisedDataset)
+    from modelopt.torch.utils.plugins.transformers_dataset import LanguageDataCollator
+
+    from chat import chat_tokenizer
+
+    files = sorted(str(f) for f in folder.glob("sample*.pt"))
+    tokenizer = chat_tokenizer()
+    tokenizer.padding_side = "right"
+    return {
+        "rows": (False, _train_rows(), None),
+        "offline": (True, OfflineSupervisedDataset(files), EagleOfflineDataCollator(SEQ)),
+        "online": (False, [{"messages": m} for m in CHATS],
+                   LanguageDataCollator(tokenizer, train_len=SEQ, return_labels=True)),
+    }
+
+
 def _trainer_main(out: str) -> None:
-    """Run by torchrun: EagleRingTrainer trains; each rank writes its logged losses and
-    its draft weights."""
+    """Run by torchrun: EagleRingTrainer trains on each data path; each rank writes its
+    logged losses and its draft weights."""
     import json
 
     torch.use_deterministic_algorithms(True)
     ra_mo.register(LlamaForCausalLM)
-    model = _convert(_target(LlamaForCausalLM, "ringattn"), 64, False)
-    model.load_state_dict(one_process(64, False)[2])  # ModelOpt's initial draft, as below
-    trainer = ra_mo.EagleRingTrainer(model=model, args=_training_args(out), cp_size=None,
-                                     train_dataset=_train_rows())
-    trainer.train()
-    rank = dist.get_rank()
-    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-    with open(f"{out}/losses.{rank}.json", "w") as f:
-        json.dump({"losses": losses, "accs": trainer.train_accs}, f)
-    torch.save(_draft_state(model), f"{out}/draft.{rank}.pt")
+    import os
+
+    rank = int(os.environ["RANK"])  # torchrun's (Trainer initialises the process group)
+    for name, (offline, dataset, collator) in _data_paths(Path(out)).items():
+        model = _convert(_target(LlamaForCausalLM, "ringattn"), 64, offline)
+        model.load_state_dict(one_process(64, offline)[2])  # ModelOpt's initial draft
+        trainer = ra_mo.EagleRingTrainer(model=model, args=_training_args(f"{out}/{name}"),
+                                         cp_size=None, train_dataset=dataset,
+                                         data_collator=collator)
+        trainer.train()
+        losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        with open(f"{out}/losses.{name}.{rank}.json", "w") as f:
+            json.dump({"losses": losses, "accs": trainer.train_accs}, f)
+        torch.save(_draft_state(model), f"{out}/draft.{name}.{rank}.pt")
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_eagle_ring_trainer_equals_modelopt_trainer(tmp_path):
     """EagleRingTrainer on 2 ranks (torchrun) logs the losses and reaches the draft weights
     of transformers' Trainer with ModelOpt's loss in one process: 2 SGD steps of 2
     accumulated micro-batches of 2 padded rows (ModelOpt's accumulation: the step takes the
-    sum of the micro-batches' mean losses)."""
+    sum of the micro-batches' mean losses), on three data paths: rows as ModelOpt's
+    collator gives them, ModelOpt's offline dataset and collator (dumps padded and cut to
+    S = 13), and its online chat collator."""
     import json
     import os
     import subprocess
 
     out = tmp_path / "cp"
     out.mkdir()
+    _write_dumps(out)
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          __file__, str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    model = _convert(_target(OneProcessLlama, "sdpa"), 64, False)
-    start = _draft_state(model)
-    ref = ModelOptTrainer(model=model, args=_training_args(str(tmp_path / "ref")),
-                          train_dataset=_train_rows())
-    ref.train()
-    want = [e["loss"] for e in ref.state.log_history if "loss" in e]
-    end = _draft_state(model)
-    log, _ = proc.communicate(timeout=180)
+    expected = {}
+    for name, (offline, dataset, collator) in _data_paths(out).items():
+        model = _convert(_target(OneProcessLlama, "sdpa"), 64, offline)
+        start = _draft_state(model)
+        ref = ModelOptTrainer(model=model, args=_training_args(str(tmp_path / "ref" / name)),
+                              train_dataset=dataset, data_collator=collator)
+        ref.train()
+        want = [e["loss"] for e in ref.state.log_history if "loss" in e]
+        assert len(want) == 2, name
+        expected[name] = (want, start, _draft_state(model))
+    log, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, log[-6000:]
-    assert len(want) == 2
-    for rank in range(2):
-        got = json.loads((out / f"losses.{rank}.json").read_text())
-        for a, b in zip(got["losses"], want, strict=True):
-            assert abs(a - b) <= FP32_TOL * abs(b), (rank, got["losses"], want)
-        weights = torch.load(out / f"draft.{rank}.pt")
-        for name in end:  # the SGD updates (lr 1): the summed gradients of both steps
-            err = rel_err(weights[name] - start[name], end[name] - start[name])
-            assert err <= FP32_TOL, (rank, name, err)
+    for name, (want, start, end) in expected.items():
+        for rank in range(2):
+            got = json.loads((out / f"losses.{name}.{rank}.json").read_text())
+            for a, b in zip(got["losses"], want, strict=True):
+                assert abs(a - b) <= FP32_TOL * abs(b), (name, rank, got["losses"], want)
+            weights = torch.load(out / f"draft.{name}.{rank}.pt")
+            for key in end:  # the SGD updates (lr 1): the summed gradients of both steps
+                err = rel_err(weights[key] - start[key], end[key] - start[key])
+                assert err <= FP32_TOL, (name, rank, key, err)
 
 
 # ---- the export: what vLLM and SGLang serve from ModelOpt's draft ---------------------
