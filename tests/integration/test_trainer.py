@@ -176,14 +176,15 @@ def test_bf16_is_as_close_to_fp32_as_plain_bf16(runs, worst_errors):
 
 
 @pytest.mark.timeout(600)
-def test_parallelism_config_is_refused_by_accelerate_on_cpu_ranks(runs):
-    """dp x cp through a ParallelismConfig cannot run on gloo CPU ranks: accelerate refuses
-    it (hf_trainer's docstring says why). When accelerate accepts it, RingTrainer refuses it
-    until dp x cp is supported and tested."""
-    _, ranks = _results(runs, "parallelism")
-    for rank, got in enumerate(ranks):
-        error = got["error"] or ""
-        assert "MULTI_CPU" in error or "RingTrainer runs the whole world" in error, (rank, got)
+def test_parallelism_config_cp_2_steps_like_one_process(runs, worst_errors):
+    """TrainingArguments(parallelism_config=ParallelismConfig(cp_size=2)) on 2 ranks (FSDP2
+    over cp; accelerate itself refuses the config on CPU ranks, see hf_trainer's docstring)
+    logs the one-process losses, gradient norms and eval loss. dp_shard x cp, gradients
+    and refusals: test_trainer_parallelism.py."""
+    ref, per_rank = _results(runs, "parallelism")
+    for rank, res in enumerate(per_rank):
+        for key in ("loss", "grad_norm", "eval_loss"):
+            _assert_close(worst_errors, f"parallelism_config {key}", res[key], ref[key], rank)
 
 
 @pytest.mark.timeout(600)

@@ -18,8 +18,9 @@ Scenarios (``--scenarios``, comma separated):
 * ``bf16``: ``predict`` on 5 rows (``bf16_predict<suffix>.<rank>.pt``), then three steps,
   with ``bf16=True``; ``--ref`` runs them with eager and with sdpa attention, and in fp32:
   how far plain bf16 runs land from fp32 is the rounding the CP run is allowed.
-* ``parallelism``: a ``ParallelismConfig`` (cp_size 2) on the CPU ranks; records
-  accelerate's refusal (CP run only).
+* ``parallelism``: ``TrainingArguments(parallelism_config=ParallelismConfig(cp_size=2))``
+  (RingTrainer shards the parameters with FSDP2 over the config's mesh): three steps, then
+  ``evaluate`` (test_trainer_parallelism.py runs dp_shard x cp meshes).
 * ``dp_cp``: ``RingTrainer(cp_size=2)`` on 4 ranks (dp 2 x cp 2, 2 rows per replica)
   against one process with batches of 4 rows: three steps (into the second epoch) with
   no accumulation, then ``evaluate``.
@@ -157,17 +158,16 @@ def bf16(ref, out):
 
 
 def parallelism(ref, out):
-    """dp x cp through a ParallelismConfig: what accelerate says on CPU ranks."""
+    """``parallelism_config=ParallelismConfig(cp_size=2)`` on the 2 ranks (FSDP2 over cp):
+    three steps and an evaluation (the reference: one process, as ``ulysses``'s)."""
     from accelerate import ParallelismConfig
 
-    if ref:
-        return {}
-    try:
-        make_trainer(ref, out / "parallelism", max_steps=1,
-                     parallelism_config=ParallelismConfig(cp_size=2))
-    except ValueError as e:
-        return {"error": str(e)}
-    return {"error": None}
+    kw = {} if ref else dict(parallelism_config=ParallelismConfig(cp_size=2))
+    trainer = make_trainer(ref, out / "parallelism", max_steps=3, **kw)
+    trainer.train()
+    res = {"loss": logged(trainer, "loss"), "grad_norm": logged(trainer, "grad_norm")}
+    res["eval_loss"] = trainer.evaluate()["eval_loss"]
+    return res
 
 
 def dp_cp(ref, out):

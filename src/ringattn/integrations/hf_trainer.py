@@ -46,7 +46,7 @@ arguments, up to floating-point rounding. What it changes, and why:
 
 Refused, loudly: ``compute_loss_func`` and ``label_smoothing_factor`` (Trainer would apply
 them to the local shard's logits with a local normalisation), other sampling strategies,
-and a ``parallelism_config`` with any dimension above 1 (use ``cp_size``, below).
+and the ``parallelism_config`` layouts listed below.
 
 dp x cp: ``RingTrainer(..., cp_size=c)`` arranges the W ranks as a (W / c) x c mesh and
 trains with DDP over all of them: each dp replica reads its rows of every global batch
@@ -55,24 +55,61 @@ shard them with ring attention, the target count is summed over the replicas, an
 the loss is scaled by W as above (tested: dp 2 x cp 2 on 4 CPU ranks equals one process
 with 4-row batches).
 
-Through ``TrainingArguments(parallelism_config=ParallelismConfig(dp_shard_size=...,
-cp_size=...))`` (accelerate's FSDP2 + torch CP path) it is refused: with transformers 5.23
-and accelerate 1.15 on gloo CPU ranks (``use_cpu=True`` under torchrun) ``Trainer.__init__``
-fails before any RingTrainer code runs: accelerate's distributed type is MULTI_CPU, and
-``ParallelismConfig._validate_accelerator`` accepts only FSDP2, the multi-accelerator
-types (GPU, XPU, NPU, ...) or DeepSpeed ("ParallelismConfig is only compatible
+parallelism_config: ``TrainingArguments(parallelism_config=ParallelismConfig(dp_shard_size=D,
+cp_size=C))`` (accelerate's ``ParallelismConfig``; D x C = W, torchrun with W processes)
+trains dp_shard x cp with FSDP2: the parameters sharded by ``fully_shard`` over the
+config's flattened "dp_shard_cp" mesh dimension (all W ranks, as torchtitan does), ring
+attention over "cp", each of the D dp_shard replicas reading its rows as with ``cp_size``
+above. RingTrainer takes the config over from accelerate, because accelerate cannot run it
+on CPU ranks. What was run (transformers 5.24, accelerate 1.15, torch 2.13, torchrun with 4
+gloo CPU ranks, a plain ``Trainer`` and ``ParallelismConfig(cp_size=2, dp_shard_size=2)``):
+with ``use_cpu=True``, ``Trainer.__init__`` raises "ParallelismConfig is only compatible
 DistributedType.FSDP (version 2) or DistributedType.Multi{Device} or
-DistributedType.DEEPSPEED, but got DistributedType.MULTI_CPU"). Nor is FSDP ever enabled on
-CPU: ``AcceleratorState`` switches to FSDP only for accelerator device types (where
-cp_size > 1 also demands an FSDP2 plugin), so ``fsdp=True`` on CPU ranks trains with DDP,
-which this trainer handles. On GPUs that path would also need an override of Trainer's
-``_prepare_context_parallel_inputs`` (which requires sdpa) returning a null context, and
-accelerate's own CP refuses sliding-window layers; it is not wired in because nothing here
-can test it. FSDP2 over a dp x cp mesh with ring attention, without Trainer:
-tests/integration/test_fsdp_cp.py.
+DistributedType.DEEPSPEED, but got DistributedType.MULTI_CPU", also with
+``fsdp="full_shard", fsdp_config={"fsdp_version": 2}`` and with ``ACCELERATE_USE_FSDP=true
+FSDP_VERSION=2`` in the environment (``AcceleratorState`` switches to FSDP only in its
+multi-accelerator branch); without ``use_cpu`` it raises "ParallelismConfig total_size (4)
+does not match num_processes (1)". accelerate's own ParallelismConfig tests
+(tests/test_dataclasses.py) run on CPU with ``init_device_mesh`` mocked, and its FSDP2
+tests are marked ``require_non_cpu``/``require_multi_device``: nothing there runs this mesh
+with FSDP2 on CPU processes. So:
+
+* ``_build_accelerator_args`` gives accelerate no ``parallelism_config`` (it sets up the
+  distributed state it sets up without one), and RingTrainer builds the config's mesh with
+  the config's own ``get_device_mesh`` (accelerate's ``build_device_mesh``: dims
+  ("dp_shard", "cp"), flattened "dp_shard_cp", "dp", "dp_cp"), cached on the config.
+* ``_shard_parameters``: ``fully_shard`` over mesh["dp_shard_cp"] on each layer class of
+  the model's ``_no_split_modules``, then on the root; the trainer then takes the model as
+  Trainer takes one sharded at load time (``is_distributed_loading_by_transformers``):
+  accelerate adds autocast but no DDP, the optimizer gets the sharded parameters, and with
+  gradient accumulation the reduce-scatter waits for the last micro-batch
+  (``_defer_fsdp_gradient_reduction``).
+* The loss scaling is unchanged: FSDP2's reduce-scatter over dp_shard_cp averages over all
+  W ranks, as DDP does, so the loss is multiplied by W as above.
+* Trainer's torch-CP input path (``_prepare_context_parallel_inputs``, sdpa only) is inert:
+  RingTrainer shards every batch itself.
+* ``save_model`` (and ``save_only_model=True`` checkpoints) gathers the full weights
+  (``full_tensor``) on every rank and the main process writes them. Checkpoints to resume
+  from are refused (``save_strategy`` other than "no" needs ``save_only_model=True``): the
+  optimizer state is sharded and Trainer would save rank 0's shard only.
+* Refused with a ValueError naming the values, on every rank: tp_size, sp_size or
+  dp_replicate_size above 1, cp_size 1, ``RingTrainer(cp_size=)`` different from the
+  config's, a total size other than the world size, ``TrainingArguments(fsdp=...)`` too.
+
+Tested (tests/integration/test_trainer_parallelism.py, gloo CPU ranks, fp32): D=2 x C=2 on
+4 ranks (also with gradient accumulation 2 and clipping) and C=3 on 3 ranks, S=37 (not a
+multiple of 2C), padded rows: every logged loss and gradient norm, train_loss, eval loss,
+every parameter's gradient at every optimizer step (gathered with ``full_tensor``), the
+weights after training and those ``save_model`` wrote equal a one-process ``Trainer``
+reading the D replicas' rows, within 1e-5 relative (measured: 3.1e-6 at worst, a gradient);
+test_trainer.py runs ``ParallelismConfig(cp_size=2)`` on 2 ranks. The same code builds an
+nccl mesh on GPUs, untested here; bf16 under FSDP2 is untested. FSDP2 over a dp x cp mesh
+with ring attention, without Trainer: tests/integration/test_fsdp_cp.py.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -112,6 +149,8 @@ class RingTrainerMixin:
             shard them along the sequence, and DDP averages over all W ranks (gradients
             and the logged loss equal one process with the global batch). Evaluation and
             prediction run the whole eval set on every dp replica (redundant, exact).
+            With ``TrainingArguments(parallelism_config=...)``, None or the config's
+            cp_size (the config then gives the mesh, and FSDP2 shards the parameters).
 
     Raises:
         ValueError: a model whose attention is not ring attention
@@ -121,8 +160,8 @@ class RingTrainerMixin:
             CPU ranks without ``use_cpu=True``); ``compute_loss_func``,
             ``label_smoothing_factor`` or a
             ``train_sampling_strategy`` other than "random"/"sequential"; torch.distributed
-            not initialised (launch with torchrun); a ``parallelism_config`` with a
-            dimension above 1 (see module doc).
+            not initialised (launch with torchrun); a ``parallelism_config`` other than
+            dp_shard x cp (D x C = W, C > 1; see the module doc).
     """
 
     # compute_loss divides by the targets of the whole accumulated batch (get_batch_samples)
@@ -145,19 +184,87 @@ class RingTrainerMixin:
             raise ValueError(f"RingTrainer supports train_sampling_strategy in {_SAMPLING}, got "
                              f"{self.args.train_sampling_strategy!r}")
         pc = self.args.parallelism_config
-        if pc is not None and pc.total_size > 1:
-            raise ValueError(
-                f"RingTrainer runs the whole world as one context-parallel group; "
-                f"parallelism_config (dp_replicate={pc.dp_replicate_size}, dp_shard="
-                f"{pc.dp_shard_size}, cp={pc.cp_size}, tp={pc.tp_size}, sp={pc.sp_size}) is not "
-                f"supported (see ringattn.integrations.hf_trainer's docstring)")
+        if _ring_owns(pc):
+            _check_parallelism(pc, cp_size, self.args)
         check_attention(self.model)
         check_model(self.model)
         _check_ranks_are_processes(self.accelerator, self.args)
         self.layout, self.strategy = layout, check_strategy(strategy)
-        self.cp_group, self.dp_group, self.dp_rank, self.dp_size = _mesh(cp_size, self.args.device)
+        self.device_mesh = None  # the ParallelismConfig mesh, when there is one
+        if _ring_owns(pc):
+            self.device_mesh = pc.get_device_mesh(torch.device(self.args.device).type)
+            self.cp_group, self.dp_group, self.dp_rank, self.dp_size = _parallelism_groups(
+                pc, self.device_mesh)
+            self._shard_parameters(self.device_mesh["dp_shard_cp"])
+        else:
+            self.cp_group, self.dp_group, self.dp_rank, self.dp_size = _mesh(cp_size,
+                                                                             self.args.device)
         self.attn_group = (hybrid_mesh(self.cp_group, ulysses_size) if strategy == "hybrid"
                            else self.cp_group)
+
+    # ---- parallelism_config: the mesh and FSDP2 ---------------------------------------
+
+    def _build_accelerator_args(self, **kwargs) -> dict:
+        """Trainer's Accelerator arguments, without a ``parallelism_config`` that RingTrainer
+        takes over (any dimension above 1): accelerate refuses it on CPU ranks, and on GPUs
+        would shard the batch a second time with torch's CP; RingTrainer builds the mesh
+        with the config's own ``build_device_mesh`` and shards the parameters itself."""
+        args = super()._build_accelerator_args(**kwargs)
+        if _ring_owns(self.args.parallelism_config):
+            args.pop("parallelism_config", None)
+        return args
+
+    def _shard_parameters(self, mesh) -> None:
+        """FSDP2 (``fully_shard``) over ``mesh`` (the flattened dp_shard x cp dimension):
+        each layer class the model names in ``_no_split_modules``, then the root. Trainer then
+        takes the model as one that owns its gradient reduction (its path for models sharded
+        at load time): accelerate adds autocast but no DDP, the optimizer gets the sharded
+        parameters, and gradient accumulation defers the reduce-scatter to the last
+        micro-batch (``_defer_fsdp_gradient_reduction``)."""
+        from torch.distributed.fsdp import fully_shard
+
+        layers = set(getattr(self.model, "_no_split_modules", None) or ())
+        for module in list(self.model.modules())[1:]:
+            if type(module).__name__ in layers:
+                fully_shard(module, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self.model._is_fsdp_managed_module = True  # transformers' mark of an FSDP2 model
+        self.model_wrapped = self.model
+        self.is_distributed_loading_by_transformers = True
+
+    @contextlib.contextmanager
+    def _defer_fsdp_gradient_reduction(self):
+        """No reduce-scatter before the last micro-batch of an accumulated step (the model
+        sharded by ``_shard_parameters``; one sharded at load time: Trainer's)."""
+        if self.device_mesh is None:
+            with super()._defer_fsdp_gradient_reduction():
+                yield
+            return
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def _save(self, output_dir=None, state_dict=None):
+        """Trainer's ``_save`` (``save_model``, ``save_only_model`` checkpoints) of the
+        sharded model: every rank gathers the full weights (``full_tensor``), the main
+        process writes them."""
+        if self.device_mesh is not None and state_dict is None:
+            state_dict = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+                          for k, v in self.model.state_dict().items()}
+        return super()._save(output_dir, state_dict=state_dict)
+
+    def get_cp_size(self) -> int:
+        """The context-parallel size of a ``parallelism_config`` (Trainer's total batch size
+        counts the dp replicas by it)."""
+        pc = self.args.parallelism_config
+        return pc.cp_size if _ring_owns(pc) else super().get_cp_size()
+
+    def _prepare_context_parallel_inputs(self, model, inputs):
+        """Inert: RingTrainer shards every batch itself (``get_batch_samples``); torch's CP
+        input path (sdpa only) must not split it again."""
+        return contextlib.nullcontext, inputs
 
     def _shard(self, inputs: dict) -> dict:
         """This rank's shard of a batch dict (``shard_batch`` over the whole world;
@@ -349,6 +456,54 @@ def _check_ranks_are_processes(accelerator, args) -> None:
         f"TrainingArguments set up {accelerator.num_processes} process(es) (parallel_mode "
         f"{args.parallel_mode.value}, accelerate {accelerator.distributed_type.value}): each "
         f"rank would update its weights with its own share of the gradient; {hint}")
+
+
+def _ring_owns(pc) -> bool:
+    """Whether RingTrainer takes over ``parallelism_config`` ``pc`` (a dimension above 1)."""
+    return pc is not None and pc.total_size > 1
+
+
+def _check_parallelism(pc, cp_size, args) -> None:
+    """Refuse a ``ParallelismConfig`` RingTrainer does not run: it runs dp_shard x cp.
+
+    Raises:
+        ValueError: tp_size, sp_size or dp_replicate_size above 1; cp_size 1; a ``cp_size``
+            argument that differs from the config's; a total size other than the world
+            size; ``TrainingArguments(fsdp=...)`` as well.
+    """
+    sizes = (f"dp_replicate_size={pc.dp_replicate_size}, dp_shard_size={pc.dp_shard_size}, "
+             f"cp_size={pc.cp_size}, tp_size={pc.tp_size}, sp_size={pc.sp_size}")
+    world = dist.get_world_size()
+    unsupported = [f"{name}={size} (RingTrainer supports 1)" for name, size in
+                   (("tp_size", pc.tp_size), ("sp_size", pc.sp_size),
+                    ("dp_replicate_size", pc.dp_replicate_size)) if size > 1]
+    if pc.cp_size < 2:
+        unsupported.append(f"cp_size={pc.cp_size} (RingTrainer needs a context-parallel "
+                           "dimension of 2 or more ranks)")
+    if cp_size is not None and cp_size != pc.cp_size:
+        unsupported.append(f"RingTrainer(cp_size={cp_size}) differs from parallelism_config "
+                           f"cp_size={pc.cp_size} (give one)")
+    if pc.total_size != world:
+        unsupported.append(f"total size {pc.total_size} is not the world size {world}")
+    if args.fsdp:
+        unsupported.append(f"TrainingArguments(fsdp={args.fsdp!r}) as well (RingTrainer shards "
+                           "the parameters with FSDP2 over dp_shard x cp itself)")
+    if args.save_strategy != "no" and not args.save_only_model:
+        unsupported.append(f"save_strategy={args.save_strategy.value!r} without "
+                           "save_only_model=True (the optimizer state is sharded; checkpoints "
+                           "to resume from are not supported)")
+    if unsupported:
+        raise ValueError(f"RingTrainer with parallelism_config ({sizes}): "
+                         + "; ".join(unsupported))
+
+
+def _parallelism_groups(pc, mesh):
+    """(cp group, dp group or None, dp rank, dp size) of a ``ParallelismConfig`` mesh: the
+    dp replicas are the dp_shard dimension."""
+    if pc.dp_shard_size == 1:
+        return mesh["cp"].get_group(), None, 0, 1
+    return (mesh["cp"].get_group(), mesh["dp_shard"].get_group(),
+            mesh.get_local_rank("dp_shard"), pc.dp_shard_size)
 
 
 def _mesh(cp_size, device):
