@@ -1,0 +1,157 @@
+"""TRL recipes: ``RingSFTTrainer`` and ``RingDPOTrainer`` under torchrun on 2 and 3 CPU ranks
+log what TRL's ``SFTTrainer`` / ``DPOTrainer`` log in one process on the same data, and
+step with the same gradients: every logged value (loss, grad_norm, entropy,
+mean_token_accuracy, num_tokens; DPO's rewards/*, logps/*, logits/*; the eval metrics) and
+every parameter's gradient at every optimizer step, on every rank.
+
+One launch per world size runs every case of ``trl_run.py`` (one process runs TRL's plain
+trainers). fp32 tolerance: 1e-5 relative (the sums over ranks and ring steps reorder float32
+additions). A gradient is compared by its norm-relative error ||g - g_ref|| / ||g_ref|| per
+parameter tensor; a logged value by |a - b| / |b| (an exact 0 must be 0).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("trl")
+
+RUN = Path(__file__).with_name("trl_run.py")
+WORLDS = (2, 3)
+TOL = 1e-5
+CASES = ("sft_packed", "sft_padded", "dpo", "dpo_mix")
+TIMEOUT = 400
+
+
+def _launch_all(cmds, cwd):
+    """Run the commands at once (the launches mostly wait on imports); {key: None, or the
+    failure's output}."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    procs = {k: subprocess.Popen(c, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True) for k, c in cmds.items()}
+    failures = {}
+    for k, proc in procs.items():
+        try:
+            output, _ = proc.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # torchrun passes it on to its workers
+            output, _ = proc.communicate()
+            output = f"timed out after {TIMEOUT} s: {cmds[k]}\n{output}"
+        failures[k] = None if proc.returncode == 0 else output[-9000:]
+    return failures
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(directory, {"ref": failure or None, 2: ..., 3: ...}): the one-process run of every
+    case and one torchrun launch per world size, started together."""
+    out = tmp_path_factory.mktemp("trl")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmds = {"ref": [sys.executable, str(RUN), "--ref", "--out", str(out / "ref")]}
+    for w in WORLDS:
+        cmds[w] = [*torchrun, "--nproc-per-node", str(w), str(RUN), "--out", str(out / f"cp{w}")]
+    return out, _launch_all(cmds, out)
+
+
+def _load(runs, kind, case, rank):
+    out, failures = runs
+    d = out / ("ref" if kind == "ref" else f"cp{kind}")
+    path = d / f"{case}.{rank}.json"
+    if not path.exists():
+        pytest.fail(f"{kind} rank {rank} wrote no {case} results:\n{failures[kind]}")
+    grads = d / f"{case}.{rank}.pt"
+    return json.loads(path.read_text()), (torch.load(grads) if grads.exists() else None)
+
+
+def _record(worst_errors, key, err, tol):
+    worst_errors[key] = (max(worst_errors.get(key, (0.0, tol))[0], err), tol)
+
+
+# wall-clock timings, and Trainer's FLOPs estimate (a count of the local input's tokens
+# times the parameters, not a property of training)
+SKIP = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "eval_runtime",
+        "eval_samples_per_second", "eval_steps_per_second", "total_flos"}
+BETA = 0.5  # trl_run.py's DPO beta
+LOGIT = 1e-2  # below the tiny Llama's logit magnitude (RMS about 0.16)
+
+
+def scale(key, entry):
+    """What the rounding of ``entry[key]`` is relative to: the value itself, or for values
+    that cancel by construction the magnitude of what they are computed from: a reward is
+    beta times a difference of two sequence log-probabilities (policy minus reference, equal
+    at step 0), a margin the difference of two rewards, ``logits/*`` a mean over vocabulary
+    and tokens of logits of both signs."""
+    pre = "eval_" if key.startswith("eval_") else ""
+    base = key[len(pre):]
+    chosen, rejected = (abs(entry.get(pre + f"logps/{s}", 0.0)) for s in ("chosen", "rejected"))
+    floor = {"rewards/chosen": BETA * chosen, "rewards/rejected": BETA * rejected,
+             "rewards/margins": BETA * (chosen + rejected),
+             "logits/chosen": LOGIT, "logits/rejected": LOGIT}.get(base, 0.0)
+    return max(abs(entry[key]), floor)
+
+
+def compare_logs(worst_errors, case, got, want, where):
+    """Every logged value of one process (except timings) logged alike by ``got``; returns
+    how many were compared."""
+    assert len(got) == len(want), f"{case} {where}: {len(got)} log entries, one process {len(want)}"
+    n = 0
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert set(g) == set(w), f"{case} {where} log {i}: keys {sorted(g)} vs {sorted(w)}"
+        for key in sorted(set(w) - SKIP):
+            a, b, s = g[key], w[key], scale(key, w)
+            err = abs(a - b) / s if s != 0 else abs(a)
+            _record(worst_errors, ("TRL", key.removeprefix("eval_").split("/")[0]), err, TOL)
+            assert err <= TOL, (f"{case} {where} log {i} {key}: {a} vs one process {b} "
+                                f"(error {err:.2e} of {s:.3g} > {TOL:.0e})")
+            n += 1
+    return n
+
+
+def compare_grads(worst_errors, case, got, want, where):
+    """Every parameter's gradient at every optimizer step."""
+    assert len(got) == len(want) > 0, f"{case} {where}: {len(got)} steps, one process {len(want)}"
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert set(g) == set(w), f"{case} {where} step {step}: parameters differ"
+        for name, ref in w.items():
+            err = float((g[name] - ref).norm() / ref.norm())
+            _record(worst_errors, ("TRL", "gradient"), err, TOL)
+            assert err <= TOL, (f"{case} {where} step {step} grad {name}: relative error "
+                                f"{err:.2e} > {TOL:.0e}")
+
+
+@pytest.mark.timeout(3 * TIMEOUT)
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", CASES)
+def test_trl_trainer_logs_and_gradients_equal_one_process(runs, worst_errors, case, world):
+    """sft_packed: padding-free packed rows (position ids restarting per document), the
+    completion-only loss, gradient accumulation 2; sft_padded: padded rows of different
+    lengths; dpo: sigmoid loss, chosen/rejected padded to one S; dpo_mix: ipo + sft losses
+    with ld_alpha and gradient accumulation. Three steps each (and evaluate): every logged
+    value and every parameter gradient equal one process on every rank."""
+    want_logs, want_grads = _load(runs, "ref", case, 0)
+    assert any("loss" in h for h in want_logs) and want_grads
+    for rank in range(world):
+        logs, grads = _load(runs, world, case, rank)
+        where = f"W={world} rank {rank}"
+        assert compare_logs(worst_errors, case, logs, want_logs, where) >= 10
+        compare_grads(worst_errors, case, grads, want_grads, where)
+
+
+@pytest.mark.timeout(3 * TIMEOUT)
+@pytest.mark.parametrize("world", WORLDS)
+def test_refusals_name_the_option_on_every_rank(runs, world):
+    """NEFTune noise (SFT and DPO), a missing or eager reference model and precomputed
+    reference log-probabilities are refused with a ValueError naming them, on every rank."""
+    expect = {"sft_neftune": "neftune_noise_alpha", "dpo_neftune": "neftune_noise_alpha",
+              "dpo_no_ref": "needs a ref_model", "dpo_eager_ref": "'eager'",
+              "dpo_precompute": "precompute_ref_log_probs"}
+    for rank in range(world):
+        got, _ = _load(runs, world, "refusals", rank)
+        for key, words in expect.items():
+            assert got[key] is not None and words in got[key], (world, rank, key, got[key])
