@@ -1,0 +1,386 @@
+"""The one mechanism: a chunk's affine state map and a causal convolution's halo, exchanged
+in global chunk order.
+
+Legend: B batch, L local seq (S_pad / W), S global seq, W world size, k conv kernel size.
+
+A linear recurrence S_t = M_t . S_{t-1} + U_t (``.`` elementwise for a diagonal transition,
+a matrix product for a matrix one) maps the state entering a chunk to the state leaving it
+by an affine map S_out = M S_in + C, where M is the product of the chunk's transitions and
+C the state it leaves from a zero entering state. Every rank computes (M, C) of its own
+chunks, one all-gather hands every rank every chunk's (M, C), and each rank composes, in
+global order, the maps of the chunks before each of its own: its true entering state, with
+which it scans the chunk again for its outputs. A document start resets the state (the
+chain of maps starts there). A causal convolution's halo, the k-1 inputs before a chunk,
+travels in the same kind of exchange.
+
+Gradients: the all-gather is an autograd function whose backward is the reduce-scatter of
+the gathered table's gradient (each rank gets the sum over ranks of the gradient of its own
+rows), and everything else is local autograd. Autograd through the composition and the
+scans is the transposed scan, exactly, for every family, with no backward written per
+family; the price is that the local scans' intermediates are kept, as in one process.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from ..comm import agree, all_gather_single, caller_site, group_members, reduce_scatter_single, resolve_group, site_digest
+from ..layouts import DEFAULT_LAYOUT, LAYOUT_NAMES, SHARD_TAG, check_tag, get_layout
+from ..masks import check_cu_seqlens
+from ..validate import describe_field
+from ._plan import Plan, conv_sources, make_plan
+
+__all__ = ["causal_conv1d", "linear_recurrence"]
+
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_KINDS = ("diagonal", "matrix")
+_ACTIVATIONS = (None, "silu", "swish")
+
+
+class _GatherRows(torch.autograd.Function):
+    """Every rank's ``x`` stacked in rank order ([W, *x.shape]); backward: the sum over
+    ranks of the gradient of this rank's row (a reduce-scatter). ``anchors`` (tensors that
+    require grad on every rank when any input does) make the result part of the graph on a
+    rank whose own rows are constants, so every rank's backward reaches the reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, group, what, *anchors):
+        ctx.group, ctx.what, ctx.anchors = group, what, len(anchors)
+        world = dist.get_world_size(group)
+        x = x.contiguous()
+        out = x.new_empty((world, *x.shape))
+        all_gather_single(out.view(-1), x.view(-1), group, what=what)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        got = grad.new_empty(grad.shape[1:])
+        reduce_scatter_single(got.view(-1), grad.contiguous().view(-1), ctx.group,
+                              what=f"{ctx.what}, backward")
+        return (got, None, None) + (None,) * ctx.anchors
+
+
+class _Tie(torch.autograd.Function):
+    """``y`` (a copy), with ``table`` in its graph: the gathered table's backward runs on
+    every rank whose output's does, even where no output needed the table."""
+
+    @staticmethod
+    def forward(ctx, y, table):
+        ctx.table = (table.shape, table.dtype, table.device)
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.table
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _gather(x: torch.Tensor, pg, what: str, anchors) -> torch.Tensor:
+    if dist.get_world_size(pg) == 1:
+        return x.unsqueeze(0)
+    return _GatherRows.apply(x, pg, what, *[a for a in anchors if a.requires_grad])
+
+
+def _setup(what: str, tensors: dict, group, layout, seqlen, cu_seqlens, extra: dict,
+           extra_check=None, params=(), pending=None):
+    """Validate this rank's call and agree with every rank (one metadata exchange): the
+    same TypeError/ValueError on every rank for bad or mismatched input.
+
+    Returns:
+        (process group, plan, needs_grad).
+    """
+    pg = resolve_group(group)
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    fields = dict.fromkeys(("batch", "local_len", "seqlen", "layout", "cu_seqlens", "dtype",
+                            "device", "needs_grad", "caller", *extra), -1)
+    error, plan = None, None
+    site = caller_site()
+    try:
+        if pending is not None:  # the caller's own check of its arguments failed here
+            raise pending
+        first = None
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() < 2:
+                raise ValueError(f"{what}: {name} must be [B, S_local, ...] (sequence on dim 1), "
+                                 f"got shape {tuple(t.shape)}")
+            if t.dtype not in _DTYPES:
+                raise TypeError(f"{what}: {name} has dtype {t.dtype}; supported: {list(_DTYPES)}")
+            if first is None:
+                first = (name, t)
+            elif t.shape[:2] != first[1].shape[:2]:
+                raise ValueError(f"{what}: {name} is [B, S_local]={list(t.shape[:2])} on dims 0-1 "
+                                 f"but {first[0]} is {list(first[1].shape[:2])}")
+            if t.device != first[1].device:
+                raise ValueError(f"{what}: {name} is on {t.device} but {first[0]} is on "
+                                 f"{first[1].device}")
+        name0, t0 = first
+        backend = str(dist.get_backend(pg))
+        if (backend == "gloo" and t0.device.type != "cpu") or (backend == "nccl" and t0.device.type != "cuda"):
+            raise ValueError(f"{what}: tensors on {t0.device} cannot travel over a {backend!r} "
+                             f"process group")
+        cu = None
+        if cu_seqlens is not None:
+            cu = check_cu_seqlens(cu_seqlens, seqlen)
+            seqlen = cu[-1]
+        lay = get_layout(layout, cu)
+        if not lay.unit_stride:
+            raise ValueError(
+                f"{what}: layout {lay.name!r} puts token t on rank t mod W: consecutive tokens "
+                f"live on different ranks, so a recurrence or a causal convolution would "
+                f"exchange its state at every token; shard with layout 'zigzag' or "
+                f"'contiguous' (attention is exact with those too)")
+        given = seqlen is not None
+        if seqlen is None:
+            tag = getattr(t0, SHARD_TAG, None)
+            seqlen = t0.shape[1] * world if tag is None else tag.seqlen
+        if not isinstance(seqlen, int) or isinstance(seqlen, bool) or seqlen < 1:
+            raise ValueError(f"{what}: seqlen must be an int >= 1, got {seqlen!r}")
+        cu_digest = -2 if cu is None else zlib.crc32(repr(cu).encode()) & 0x7FFFFFFF
+        members = group_members(pg)
+        for name, t in tensors.items():
+            tag = getattr(t, SHARD_TAG, None)
+            if tag is None:
+                continue
+            if tag.members != members:
+                raise ValueError(f"{what}: {name} was sharded over the ranks {list(tag.members)} "
+                                 f"but is mixed over the group of ranks {list(members)}")
+            if tag.dim != 1:
+                raise ValueError(f"{what}: {name} was sharded along dim {tag.dim}; the sequence "
+                                 f"is dim 1 of [B, S_local, ...]")
+            check_tag(name, t, lay, seqlen, cu_digest, rank, world, f"mixed by {what}")
+        n = t0.shape[1]
+        if n != lay.local_len(seqlen, world):
+            said = f"seqlen={seqlen}" if given else f"seqlen not given (taken as W x S_local = {seqlen})"
+            raise ValueError(
+                f"{what}: {said} with layout {lay.name!r} on {world} ranks gives shards of "
+                f"{lay.local_len(seqlen, world)} tokens, but {name0} has S_local={n} on dim 1 "
+                f"(ringattn.shard makes shards; pass seqlen=, the global S, when they are padded)")
+        extra_values = {} if extra_check is None else extra_check()
+        plan = make_plan(lay, world, rank, seqlen, cu)
+        fields.update(
+            batch=t0.shape[0], local_len=n, seqlen=seqlen, layout=LAYOUT_NAMES.index(lay.name),
+            cu_seqlens=cu_digest, dtype=_DTYPES.index(t0.dtype), device=int(t0.device.type == "cuda"),
+            needs_grad=int(torch.is_grad_enabled() and any(
+                isinstance(t, torch.Tensor) and t.requires_grad
+                for t in (*tensors.values(), *params))),
+            caller=site_digest(site), **extra_values)
+    except (TypeError, ValueError) as exc:  # raised on every rank by agree()
+        error = exc
+
+    def describe(name, value):
+        if name == "device":
+            return ("cpu", "cuda")[value] if value >= 0 else describe_field(name, value)
+        return describe_field(name, value)
+
+    agree(pg, fields, error, describe, what=f"ringattn.mixers.{what}")
+    return pg, plan, bool(fields["needs_grad"])
+
+
+def _assemble(plan: Plan, parts: dict, like: torch.Tensor, tail_shape, dtype) -> torch.Tensor:
+    """This rank's output [B, L, *tail_shape]: each chunk's pieces at their slots, zeros on
+    padding slots."""
+    b, local = like.shape[0], int(plan.real.numel())
+    out, at = [], 0
+    for start in sorted(parts):
+        if start > at:
+            out.append(like.new_zeros((b, start - at, *tail_shape), dtype=dtype))
+        out.append(parts[start].to(dtype))
+        at = start + parts[start].shape[1]
+    if at < local:
+        out.append(like.new_zeros((b, local - at, *tail_shape), dtype=dtype))
+    return torch.cat(out, dim=1)
+
+
+def linear_recurrence(scan, transition, inputs, *, state_shape, map_shape, out_shape,
+                      kind: str = "diagonal", state_dtype=None, group=None,
+                      layout: str = DEFAULT_LAYOUT, seqlen: int | None = None, cu_seqlens=None,
+                      name: str = "linear_recurrence", params=(), error=None):
+    """Exact context-parallel linear recurrence S_t = M_t . S_{t-1} + U_t with a readout.
+
+    The family is given by two local functions (plain torch code, or a kernel that takes an
+    initial state):
+
+    * ``scan(pieces, state) -> (out, final)``: the recurrence over a run of consecutive
+      tokens of one document; ``pieces`` is ``inputs``, each sliced to the run on dim 1,
+      ``state`` the entering state [*state_shape] (None: zero); ``out`` [B, n, *out_shape],
+      ``final`` the state after the run.
+    * ``transition(pieces) -> M``: the product M_n ... M_1 of the run's transitions:
+      with ``kind="diagonal"`` a tensor broadcastable to the state, applied elementwise
+      (Mamba, Mamba2, RG-LRU, decayed linear attention); with ``kind="matrix"`` a
+      [..., P, P] tensor applied as ``M @ S`` to the [..., P, Q] state (the gated delta rule).
+
+    Arguments:
+        inputs: tuple of this rank's shards [B, L, ...] (sequence on dim 1, made by
+            ``ringattn.shard`` with this layout, S and documents); padding slots are ignored.
+        state_shape, map_shape, out_shape: shapes of the state (with batch), of M, and of
+            one token's output (without [B, n]); the same on every rank.
+        kind: "diagonal" or "matrix".
+        state_dtype: dtype of the exchanged maps (default: float32 for half inputs, else
+            the inputs' dtype).
+        group, layout, seqlen, cu_seqlens: as for ``ringattn.ring_attention``; layouts
+            "contiguous", "zigzag" (per document with cu_seqlens) and "doc_contiguous";
+            "striped" is refused.
+        name: the caller's name in messages.
+        error: a TypeError/ValueError the caller found in its own arguments on this rank
+            (or None): raised on every rank by the agreement, as the call's own checks are.
+        params: tensors the functions read besides ``inputs`` (e.g. Mamba2's A): their
+            gradient on each rank is this rank's share, as for attention's sinks (sum it
+            over the ranks, as data parallelism does, for the one-process gradient).
+
+    Returns:
+        [B, L, *out_shape]: each token's output, zero on padding slots. Every rank must
+        backpropagate through it when any does (the backward has one collective).
+
+    Raises:
+        TypeError, ValueError: on every rank, before any exchange.
+    """
+    inputs = tuple(inputs)
+    tensors = {f"inputs[{i}]": t for i, t in enumerate(inputs)}
+
+    def check():
+        if kind not in _KINDS:
+            raise ValueError(f"{name}: kind must be one of {list(_KINDS)}, got {kind!r}")
+        if not callable(scan) or not callable(transition):
+            raise TypeError(f"{name}: scan and transition must be callables")
+        shapes = tuple(tuple(int(d) for d in s) for s in (state_shape, map_shape, out_shape))
+        return {"kind": _KINDS.index(kind),
+                "shapes": zlib.crc32(repr(shapes).encode()) & 0x7FFFFFFF}
+
+    pg, plan, needs_grad = _setup(name, tensors, group, layout, seqlen, cu_seqlens,
+                                  ("kind", "shapes"), check, params, error)
+    x0 = inputs[0]
+    sdtype = state_dtype or (torch.float32 if x0.dtype in (torch.bfloat16, torch.float16) else x0.dtype)
+    state_shape, map_shape = tuple(state_shape), tuple(map_shape)
+    m_numel, c_numel = _numel(map_shape), _numel(state_shape)
+    me = plan.rank
+    parts, later, rows = {}, [], []
+    for c in plan.chunks[me]:
+        m_row = c_row = None
+        pieces = c.pieces()
+        for i, (off, n) in enumerate(pieces):
+            at = c.local_start + off
+            piece = tuple(t[:, at:at + n] for t in inputs)
+            needs_entry = i == 0 and not c.starts_doc
+            exports = i == len(pieces) - 1 and plan.sends_state[me][c.index]
+            if not needs_entry or exports:
+                out, final = scan(piece, None)
+                if not needs_entry:
+                    parts[at] = out
+                if exports:
+                    c_row = final.to(sdtype).reshape(-1)
+            if needs_entry:
+                later.append((c.index, at, piece))
+        if plan.sends_map[me][c.index]:  # then it has no cuts: one piece, the whole chunk
+            whole = tuple(t[:, c.local_start:c.local_start + c.length] for t in inputs)
+            m_row = transition(whole).to(sdtype).expand(map_shape).reshape(-1)
+        rows.append(torch.cat([
+            m_row if m_row is not None else x0.new_zeros(m_numel, dtype=sdtype),
+            c_row if c_row is not None else x0.new_zeros(c_numel, dtype=sdtype)]))
+    rows += [x0.new_zeros(m_numel + c_numel, dtype=sdtype)] * (plan.rows - len(rows))
+    anchors = [t for t in (*inputs, *params) if isinstance(t, torch.Tensor)] if needs_grad else []
+    table = _gather(torch.stack(rows), pg, f"{name}'s all-gather of the chunks' state maps",
+                    anchors)
+    for index, at, piece in later:
+        entry = None
+        for r, i in plan.chains[index]:
+            m = table[r, i, :m_numel].view(map_shape)
+            s = table[r, i, m_numel:].view(state_shape)
+            entry = s if entry is None else (m * entry if kind == "diagonal" else m @ entry) + s
+        parts[at] = scan(piece, entry)[0]
+    dtype = next(iter(parts.values())).dtype if parts else x0.dtype
+    y = _assemble(plan, parts, x0, tuple(out_shape), dtype)
+    if needs_grad and plan.world > 1:
+        y = _Tie.apply(y, table)
+    return y
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  activation: str | None = None, group=None, layout: str = DEFAULT_LAYOUT,
+                  seqlen: int | None = None, cu_seqlens=None) -> torch.Tensor:
+    """Exact context-parallel depthwise causal convolution (Mamba's, GatedDeltaNet's, LFM2's
+    short conv): out[t, d] = bias[d] + sum_j weight[d, j] * x[t - k + 1 + j, d], with inputs
+    before the sequence or in another packed document taken as zero, then ``activation``.
+
+    Each chunk's first k-1 outputs read the k-1 inputs before it (its halo), which come from
+    the ranks that hold them in one all-gather of every chunk's last k-1 inputs.
+
+    Arguments:
+        x: [B, L, D] this rank's shard (sequence on dim 1; transformers' conv functions take
+            [B, D, S]: pass ``x.transpose(1, 2)``).
+        weight: [D, k] (or nn.Conv1d's [D, 1, k]) the same on every rank; its gradient on
+            each rank is this rank's share (sum over ranks for the one-process gradient),
+            as is ``bias``'s.
+        bias: [D] or None.
+        activation: None, "silu" or "swish".
+        group, layout, seqlen, cu_seqlens: as for ``linear_recurrence``.
+
+    Returns:
+        [B, L, D] in x's dtype, zero on padding slots.
+
+    Raises:
+        TypeError, ValueError: on every rank, before any exchange.
+    """
+    def check():
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"causal_conv1d: weight must be a torch.Tensor, got {type(weight).__name__}")
+        w = weight.squeeze(1) if weight.dim() == 3 and weight.shape[1] == 1 else weight
+        if x.dim() != 3 or w.dim() != 2 or w.shape[0] != x.shape[2] or w.shape[1] < 1:
+            raise ValueError(f"causal_conv1d: x must be [B, L, D] and weight [D, k] (or [D, 1, k]), "
+                             f"got x {tuple(x.shape)} and weight {tuple(weight.shape)}")
+        if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (x.shape[2],)):
+            raise ValueError(f"causal_conv1d: bias must be a [D]=[{x.shape[2]}] tensor or None, got "
+                             f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"causal_conv1d: activation must be one of {list(_ACTIVATIONS)}, "
+                             f"got {activation!r}")
+        return {"kernel_size": w.shape[1], "channels": x.shape[2],
+                "activation": _ACTIVATIONS.index(activation)}
+
+    params = {"weight": weight} if isinstance(weight, torch.Tensor) else {}
+    if isinstance(bias, torch.Tensor):
+        params["bias"] = bias
+    pg, plan, needs_grad = _setup("causal_conv1d", {"x": x}, group, layout, seqlen, cu_seqlens,
+                                  ("kernel_size", "channels", "activation"), check,
+                                  tuple(params.values()))
+    w = weight.squeeze(1) if weight.dim() == 3 else weight
+    k, width = w.shape[1], w.shape[1] - 1
+    b, local, d = x.shape
+    dtype = torch.promote_types(x.dtype, w.dtype)
+    xs = x.to(dtype)
+    w = w.to(dtype)
+    out = xs * w[:, width]
+    if width:
+        tails = []
+        for c in plan.chunks[plan.rank]:
+            end = c.local_start + c.length
+            tail = xs[:, max(c.local_start, end - width):end]
+            if tail.shape[1] < width:
+                tail = torch.cat([xs.new_zeros((b, width - tail.shape[1], d)), tail], dim=1)
+            tails.append(tail)
+        tails += [xs.new_zeros((b, width, d))] * (plan.rows - len(tails))
+        anchors = [x, *params.values()] if needs_grad else []
+        table = _gather(torch.stack(tails), pg, "causal_conv1d's all-gather of the chunks' "
+                        "last k-1 inputs", anchors)  # [W, rows, B, width, D]
+        ext = torch.cat([xs, table.permute(2, 0, 1, 3, 4).reshape(b, -1, d),
+                         xs.new_zeros((b, 1, d))], dim=1)
+        src = conv_sources(plan, width).to(x.device)
+        for s in range(1, k):
+            out = out + ext[:, src[s - 1]] * w[:, width - s]
+    if bias is not None:
+        out = out + bias.to(dtype)
+    if activation is not None:
+        out = torch.nn.functional.silu(out)
+    out = torch.where(plan.real.to(x.device)[None, :, None], out, out.new_zeros(()))
+    return out.to(x.dtype)
