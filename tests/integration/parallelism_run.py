@@ -15,7 +15,8 @@ Cases (``--cases``, comma separated; the world size must be the case's D x C):
   epoch), then ``evaluate`` and ``save_model``.
 * ``dp2_cp2_accum``: the same with gradient accumulation 2 (3 steps of 8 rows: the
   reduce-scatter waits for the second micro-batch) and gradient clipping at 1.0.
-* ``cp3``: D=1, C=3 (W=3), 2 rows, four steps, clipping at 1.0, then ``evaluate``.
+* ``cp3``: D=1, C=3 (W=3), 2 rows: ``evaluate``, four steps clipped at 1.0, ``evaluate``
+  and ``predict`` (5 rows; the logits in the ``.pt``).
 * ``refusals4`` (W=4, not ``--ref``): the ValueError of each configuration RingTrainer
   refuses, or None.
 
@@ -93,16 +94,22 @@ def train_case(name, ref, out):
     else:
         trainer = RingTrainer(model=tiny_causal_lm("llama", "ringattn"), args=args,
                               layout="zigzag", **data)
+    first = {}
+    if name == "cp3":  # evaluating first leaves the root's parameters unsharded
+        first["eval_loss_first"] = trainer.evaluate()["eval_loss"]
     result = trainer.train()
     res = {"loss": logged(trainer, "loss"), "grad_norm": logged(trainer, "grad_norm"),
-           "train_loss": result.training_loss, "grad_meshes": meshes}
+           "train_loss": result.training_loss, "grad_meshes": meshes, **first}
     res["eval_loss"] = trainer.evaluate()["eval_loss"]
+    logits = None
+    if name == "cp3":  # the logits of the whole sequence, on every rank
+        logits = torch.as_tensor(trainer.predict(Rows(5, 4)).predictions)
     if not ref:
         res["mesh"] = list(trainer.device_mesh.mesh_dim_names)
     weights = {n: _full(p).detach().clone() for n, p in trainer.model.named_parameters()}
     if name == "dp2_cp2":  # save_pretrained of the sharded model: the full weights
         trainer.save_model(str(out / name / "saved"))
-    return res, {"grads": grads, "weights": weights}
+    return res, {"grads": grads, "weights": weights, "logits": logits}
 
 
 def refusals4(ref, out):

@@ -89,7 +89,8 @@ def _check_case(runs, worst_errors, case, mesh, steps):
         assert got["mesh"] == mesh, got["mesh"]
         # every gradient is FSDP2's, sharded over all W ranks (dp_shard x cp flattened)
         assert got["grad_meshes"] == [[WORLD[case]]] * steps, got["grad_meshes"]
-        for key in ("loss", "grad_norm", "train_loss", "eval_loss"):
+        first = ["eval_loss_first"] if case == "cp3" else []
+        for key in ["loss", "grad_norm", "train_loss", "eval_loss", *first]:
             a, b = (x if isinstance(x, list) else [x] for x in (got[key], ref[key]))
             assert len(a) == len(b), (key, rank, a, b)
             for step, (x, y) in enumerate(zip(a, b)):
@@ -109,6 +110,11 @@ def _check_case(runs, worst_errors, case, mesh, steps):
             err = _rel(got_t["weights"][name], w)
             _record(worst_errors, "pc weights", err)
             assert err <= TOL, f"{case} {name} after training on rank {rank}: {err:.2e}"
+        if case == "cp3":
+            assert got_t["logits"].shape == ref_t["logits"].shape == (5, 37, 97)
+            err = _rel(got_t["logits"], ref_t["logits"])
+            _record(worst_errors, "pc logits", err)
+            assert err <= TOL, f"{case} predict logits on rank {rank}: {err:.2e}"
     return ref_t["weights"]
 
 
@@ -135,7 +141,8 @@ def test_dp_shard_2_x_cp_2_with_gradient_accumulation_and_clipping(runs, worst_e
 
 @pytest.mark.timeout(LIMIT_S + 60)
 def test_cp_3_trains_like_one_process(runs, worst_errors):
-    """C=3, D=1 on 3 ranks (an odd ring; S=37), clipping at 1.0, four steps."""
+    """C=3, D=1 on 3 ranks (an odd ring; S=37): evaluate before training (the FSDP2 root
+    stays unsharded after a forward), four steps clipped at 1.0, evaluate and predict."""
     _check_case(runs, worst_errors, "cp3", ["cp"], 4)
 
 
