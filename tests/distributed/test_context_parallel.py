@@ -12,6 +12,8 @@ right padding, packed documents (position ids restarting at 0), S not a multiple
 afterwards (the next call works).
 """
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -153,10 +155,12 @@ def gathered_logits_against_one_process():
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world", [2, 3])
-def test_gathered_logits(clusters, world):
+def test_gathered_logits(clusters, worst_errors, world):
     for rank, (errs, shapes) in enumerate(clusters(world).run(gathered_logits_against_one_process,
                                                               timeout=150)):
         for name, err in errs.items():
+            key = ("HF model", name.split()[0])
+            worst_errors[key] = (max(worst_errors.get(key, (0.0, TOL))[0], err), TOL)
             assert err < TOL, (rank, name, err)
         assert shapes == ((2, 37, VOCAB), None, (2, -(-37 // world), VOCAB)), (rank, shapes)
 
@@ -256,3 +260,121 @@ def test_refusals_on_every_rank(clusters, world):
         assert hooks == 0, rank
         for name, err in errs.items():
             assert err < TOL, (rank, name, err)
+
+
+def accumulation_against_one_process():
+    """Rank side: two micro-batches per optimizer step, each called with the caller's
+    ``num_items_in_batch`` (the targets of both, counted on the global batches as one
+    process counts them): the manager keeps the caller's count. Worst errors of the loss and
+    the averaged gradients against the same accumulation in one process."""
+    from ringattn.integrations import transformers as ra_hf
+
+    model, ref = _models()
+    micro = [_batch("plain", 29, seed=11), _batch("right-padding", 29, seed=12)]
+    count = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
+    total, one_total = 0.0, 0.0
+    with ra_hf.context_parallel(model):
+        for b in micro:
+            out = model(**b, num_items_in_batch=torch.tensor(count))
+            out.loss.backward()
+            total += float(out.loss)
+    ra_hf.average_gradients(model)
+    for b in micro:
+        one = ref(**b, num_items_in_batch=torch.tensor(count), use_cache=False)
+        one.loss.backward()
+        one_total += float(one.loss)
+    return {"loss": abs(total - one_total) / abs(one_total),
+            "grads": max(rel_err(p.grad, q.grad)
+                         for p, q in zip(model.parameters(), ref.parameters()))}
+
+
+@pytest.mark.timeout(180)
+def test_gradient_accumulation(clusters):
+    for rank, errs in enumerate(clusters(2).run(accumulation_against_one_process, timeout=150)):
+        for name, err in errs.items():
+            assert err < TOL, (rank, name, err)
+
+
+# The user docs' blocks (docs/trainers.md, "Custom training loops"), verbatim; the names the
+# page says are the reader's: config, batches (the same global batches on every rank),
+# cp_group.
+DOCS_DDP = '''\
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+from transformers import AutoModelForCausalLM
+from ringattn.integrations import transformers as ra_hf
+
+ra_hf.register()
+model = AutoModelForCausalLM.from_config(config, attn_implementation="ringattn")
+ddp = DDP(model, process_group=cp_group)          # averages gradients over the group
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+with ra_hf.context_parallel(ddp, cp_group, layout="zigzag"):
+    for batch in batches:                         # the same global batch on every rank
+        out = ddp(**batch)                        # input_ids, labels, attention_mask, ...
+        out.loss.backward()                       # out.loss: the one-process loss
+        optimizer.step()
+        optimizer.zero_grad()
+'''
+
+DOCS_MANUAL = '''\
+with ra_hf.context_parallel(model, cp_group):
+    for batch in batches:
+        out = model(**batch)
+        out.loss.backward()
+        ra_hf.average_gradients(model, cp_group)   # without DDP: average over the group
+        optimizer.step()
+        optimizer.zero_grad()
+'''
+
+
+def docs_inputs(ns: dict) -> None:
+    """The reader's names for the docs' blocks: a tiny Llama config (the seed fixed so that
+    the check can build the same initial weights), three global batches, the group."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    ns.update(config=tf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2),
+              batches=[_batch("left-padding", 29, 1), _batch("packed", 31, 2),
+                       _batch("plain", 27, 3)],
+              cp_group=dist.group.WORLD)
+
+
+def docs_check(ns: dict, steps: int) -> float:
+    """The worst relative error of the block's model weights after ``steps`` passes over the
+    batches against one process running the same SGD loop, with eager attention, from the
+    same initial weights (``docs_inputs``'s seed)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    # a copy: from_config sets the attention implementation on the config it is given,
+    # which is the block model's own
+    ref = AutoModelForCausalLM.from_config(copy.deepcopy(ns["config"]),
+                                           attn_implementation="eager")
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(steps):
+        for batch in ns["batches"]:
+            ref(**batch, use_cache=False).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return max(rel_err(p.detach(), q.detach())
+               for p, q in zip(ns["model"].parameters(), ref.parameters()))
+
+
+def docs_blocks_as_printed():
+    """Rank side: the DDP block, then the block without DDP on the same model and
+    optimizer (a second pass over the batches); the weights after each equal one
+    process's."""
+    ns: dict = {"__name__": "__doc_block__"}
+    docs_inputs(ns)
+    exec(compile(DOCS_DDP, "docs block (DDP)", "exec"), ns)
+    after_ddp = docs_check(ns, steps=1)
+    exec(compile(DOCS_MANUAL, "docs block (no DDP)", "exec"), ns)
+    return after_ddp, docs_check(ns, steps=2)
+
+
+@pytest.mark.timeout(180)
+def test_docs_blocks(clusters):
+    for rank, errs in enumerate(clusters(2).run(docs_blocks_as_printed, timeout=150)):
+        assert max(errs) < TOL, (rank, errs)

@@ -193,8 +193,14 @@ def _agree_on_batch(pg, keys, batch: dict, error) -> None:
             return "no such dim"
         return f"contents with CRC {value:#010x}" if name in contents else str(value)
 
-    agree(pg, {**shapes, **contents}, error, describe=describe,
-          what="context_parallel's batch")
+    try:
+        agree(pg, {**shapes, **contents}, error, describe=describe,
+              what="context_parallel's batch")
+    except ValueError as exc:
+        if error is not None or not str(exc).startswith("ranks disagree on "):
+            raise
+        raise ValueError(f"context_parallel needs the same global batch on every rank of the "
+                         f"group; {exc}") from exc
 
 
 def average_gradients(model, group=None) -> None:
@@ -245,8 +251,8 @@ def context_parallel(model, group=None, *, layout: str = DEFAULT_LAYOUT, strateg
     busy = [type(m).__name__ for m in members if getattr(m, _ACTIVE_ATTR, False)]
     if busy:
         raise ValueError(f"context_parallel is already active on {busy[0]} (nested or "
-                         f"re-entered): each batch would be sharded twice; use one context "
-                         f"per model")
+                         f"re-entered, on it or on a module that wraps it or that it wraps): "
+                         f"each batch would be sharded twice; use one context per model")
     extra_keys = tuple(extra_keys)
     keys = (*BATCH_KEYS, *[k for k in extra_keys if k not in BATCH_KEYS])
     if 3 + 4 * len(keys) > ROW_INTS:
