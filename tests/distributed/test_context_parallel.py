@@ -105,6 +105,7 @@ LOOPS = [  # (mode, world, batch kinds of the steps, their S, layout, strategy)
     ("manual", 3, ("plain", "right-padding", "left-padding"), (29, 31, 34), "contiguous",
      "ring"),
     ("manual", 2, ("left-padding", "packed"), (37, 29), "zigzag", "ulysses"),
+    ("manual", 3, ("packed", "left-padding"), (37, 29), "contiguous", "allgather"),
 ]
 
 
@@ -206,6 +207,7 @@ def refusals():
         seen["inputs_embeds"] = _refused(lambda: model(
             **batch, inputs_embeds=torch.zeros(1, 23, 64)))
         seen["return_dict=False"] = _refused(lambda: model(**batch, return_dict=False))
+        seen["logits_to_keep=1"] = _refused(lambda: model(**batch, logits_to_keep=1))
         seen["generate"] = _refused(lambda: model.generate(
             input_ids=batch["input_ids"], max_new_tokens=2, do_sample=False))
         out = model(**batch)  # still in step after every refusal
@@ -249,6 +251,7 @@ def test_refusals_on_every_rank(clusters, world):
                                                   "model with keyword arguments"),
             "inputs_embeds": ("TypeError", "['inputs_embeds']"),
             "return_dict=False": ("TypeError", "return_dict=False"),
+            "logits_to_keep=1": ("TypeError", "logits_to_keep=1 would keep"),
             "generate": ("ValueError", "carries a KV cache"),
             "after exit": ("ValueError", "needs the batch's ring_context"),
             "the wrapped model too": ("ValueError", "already active on LlamaForCausalLM"),
@@ -317,6 +320,8 @@ with ra_hf.context_parallel(ddp, cp_group, layout="zigzag"):
 '''
 
 DOCS_MANUAL = '''\
+from ringattn.integrations import transformers as ra_hf
+
 with ra_hf.context_parallel(model, cp_group):
     for batch in batches:
         out = model(**batch)

@@ -152,6 +152,10 @@ def _split_call(args, kwargs, extra_keys):
     if kwargs.get("return_dict") is False:
         raise TypeError("context_parallel needs the model's output object (return_dict=False "
                         "gives a tuple whose loss it cannot make global)")
+    if kwargs.get("logits_to_keep") not in (None, 0):
+        raise TypeError(f"context_parallel computes the logits of every local token; "
+                        f"logits_to_keep={kwargs['logits_to_keep']!r} would keep the last ones "
+                        f"of each rank's shard, not of the sequence")
     batch = {k: kwargs[k] for k in (*BATCH_KEYS, *extra_keys) if kwargs.get(k) is not None}
     rest = {k: v for k, v in kwargs.items() if k not in batch and k not in BATCH_KEYS
             and k not in _DROPPED}
