@@ -131,24 +131,30 @@ def compare_grads(worst_errors, case, got, want, where):
 def test_trl_trainer_logs_and_gradients_equal_one_process(runs, worst_errors, case, world):
     """sft_packed: padding-free packed rows (position ids restarting per document), the
     completion-only loss, gradient accumulation 2; sft_padded: padded rows of different
-    lengths; dpo: sigmoid loss, chosen/rejected padded to one S; dpo_mix: ipo + sft losses
-    with ld_alpha and gradient accumulation. Three steps each (and evaluate): every logged
-    value and every parameter gradient equal one process on every rank."""
+    lengths, through a user's SFTTrainer subclass; dpo: sigmoid loss, chosen/rejected
+    padded to one S; dpo_mix: ipo + sft losses with ld_alpha and gradient accumulation.
+    Three steps each (and evaluate): every logged value and every parameter gradient equal
+    one process on every rank."""
     want_logs, want_grads = _load(runs, "ref", case, 0)
     assert any("loss" in h for h in want_logs) and want_grads
     for rank in range(world):
         logs, grads = _load(runs, world, case, rank)
         where = f"W={world} rank {rank}"
         assert compare_logs(worst_errors, case, logs, want_logs, where) >= 10
+        if case == "sft_padded":  # the user's subclass's log ran (one process logs it too)
+            assert sum("loss_bits" in h for h in logs) == 3, logs
         compare_grads(worst_errors, case, grads, want_grads, where)
 
 
 @pytest.mark.timeout(3 * TIMEOUT)
 @pytest.mark.parametrize("world", WORLDS)
 def test_refusals_name_the_option_on_every_rank(runs, world):
-    """NEFTune noise (SFT and DPO), a missing or eager reference model and precomputed
-    reference log-probabilities are refused with a ValueError naming them, on every rank."""
+    """NEFTune noise and Liger kernels (SFT and DPO), cp_size=1 (dp x cp), a missing or eager
+    reference model and precomputed reference log-probabilities are refused with a
+    ValueError naming them, on every rank."""
     expect = {"sft_neftune": "neftune_noise_alpha", "dpo_neftune": "neftune_noise_alpha",
+              "sft_liger": "use_liger_kernel", "dpo_liger": "use_liger_kernel",
+              "sft_dp_cp": "(dp x cp) is not supported",
               "dpo_no_ref": "needs a ref_model", "dpo_eager_ref": "'eager'",
               "dpo_precompute": "precompute_ref_log_probs"}
     for rank in range(world):

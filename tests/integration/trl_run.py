@@ -11,12 +11,17 @@ Cases:
 * ``sft_packed``: prompt/completion pairs (completion-only loss), ``packing=True`` (bfd:
   padding-free rows, position ids restarting per document), gradient accumulation 2,
   three steps, then ``evaluate``.
-* ``sft_padded``: plain text rows of different lengths (padded), three steps, ``evaluate``.
+* ``sft_padded``: plain text rows of different lengths (padded), three steps, ``evaluate``;
+  through a user's subclass of SFTTrainer (``RingUserSFT(RingSFTTrainer, UserSFT)``), whose
+  ``log`` adds ``loss_bits``.
 * ``dpo``: prompt/chosen/rejected of different lengths (chosen and rejected padded to one
   S), sigmoid loss, three steps, ``evaluate``.
 * ``dpo_mix``: DPO with ``loss_type=["ipo", "sft"]`` and ``ld_alpha``, gradient
   accumulation 2, three steps.
 * ``refusals`` (CP only): the errors of the refused options.
+* ``docs`` (only when named): the TRL blocks of the docs page (``--docs``, default
+  docs/trainers.md) executed as printed under CP, with the names the page says are the
+  reader's (``docs_names``); ``--ref`` runs the same with TRL's trainers.
 
 The data is text over a word-level tokenizer built here (no download): words ``w2`` ...
 ``w96``, ``<pad>`` 0 and ``<eos>`` 1.
@@ -102,7 +107,27 @@ def common(out, **overrides):
     return kw
 
 
-def sft(ref, out, train, evald, **overrides):
+def user_sft():
+    """A user's SFTTrainer subclass (logging the loss in bits too), and its ring version."""
+    import math
+
+    from trl import SFTTrainer
+
+    from ringattn.integrations.trl import RingSFTTrainer
+
+    class UserSFT(SFTTrainer):
+        def log(self, logs, start_time=None):
+            if "loss" in logs:
+                logs["loss_bits"] = logs["loss"] / math.log(2)
+            super().log(logs, start_time)
+
+    class RingUserSFT(RingSFTTrainer, UserSFT):
+        pass
+
+    return UserSFT, RingUserSFT
+
+
+def sft(ref, out, train, evald, user=False, **overrides):
     from trl import SFTConfig, SFTTrainer
 
     from ringattn.integrations.trl import RingSFTTrainer
@@ -112,7 +137,8 @@ def sft(ref, out, train, evald, **overrides):
     attn = "eager" if ref else "ringattn"
     kw = dict(model=tiny_causal_lm("llama", attn), args=args, train_dataset=train,
               eval_dataset=evald, processing_class=tokenizer(), callbacks=[grads.callback])
-    trainer = SFTTrainer(**kw) if ref else RingSFTTrainer(**kw, layout="zigzag")
+    one, ring = user_sft() if user else (SFTTrainer, RingSFTTrainer)
+    trainer = one(**kw) if ref else ring(**kw, layout="zigzag")
     trainer.train()
     trainer.evaluate()
     return trainer, grads
@@ -142,16 +168,18 @@ def sft_packed(ref, out):
 
 
 def sft_padded(ref, out):
-    return sft(ref, out / "sft_padded", text(9, 3), text(5, 4), per_device_train_batch_size=3)
+    return sft(ref, out / "sft_padded", text(9, 3), text(5, 4), user=True,
+               per_device_train_batch_size=3)
 
 
 def dpo_sigmoid(ref, out):
-    return dpo(ref, out / "dpo", pairs(8, 5), pairs(5, 6), beta=0.5)
+    return dpo(ref, out / "dpo", pairs(8, 5), pairs(5, 6), beta=0.5, learning_rate=0.1)
 
 
 def dpo_mix(ref, out):
-    return dpo(ref, out / "dpo_mix", pairs(8, 7), None, beta=0.5, learning_rate=0.1, loss_type=["ipo", "sft"],
-               loss_weights=[1.0, 0.5], ld_alpha=0.5, gradient_accumulation_steps=2)
+    return dpo(ref, out / "dpo_mix", pairs(8, 7), None, beta=0.5, learning_rate=0.1,
+               loss_type=["ipo", "sft"], loss_weights=[1.0, 0.5], ld_alpha=0.5,
+               gradient_accumulation_steps=2)
 
 
 def refusals(ref, out):
@@ -172,10 +200,10 @@ def refusals(ref, out):
 
     tok = tokenizer()
 
-    def sft_with(**kw):
+    def sft_with(cp_size=None, **kw):
         return RingSFTTrainer(model=tiny_causal_lm("llama", "ringattn"),
                               args=SFTConfig(**common(out / "refusals", **kw)),
-                              train_dataset=text(4, 0), processing_class=tok)
+                              train_dataset=text(4, 0), processing_class=tok, cp_size=cp_size)
 
     def dpo_with(ref_model="ringattn", **kw):
         ref_model = tiny_causal_lm("llama", ref_model) if ref_model else None
@@ -185,6 +213,9 @@ def refusals(ref, out):
 
     return {
         "sft_neftune": error(lambda: sft_with(neftune_noise_alpha=5.0)),
+        "sft_liger": error(lambda: sft_with(use_liger_kernel=True)),
+        "dpo_liger": error(lambda: dpo_with(use_liger_kernel=True)),
+        "sft_dp_cp": error(lambda: sft_with(cp_size=1)),
         "dpo_neftune": error(lambda: dpo_with(neftune_noise_alpha=5.0)),
         "dpo_no_ref": error(lambda: dpo_with(ref_model=None)),
         "dpo_eager_ref": error(lambda: dpo_with(ref_model="eager")),
@@ -192,15 +223,75 @@ def refusals(ref, out):
     }
 
 
+DOCS_LINES = ("trainer = RingSFTTrainer(model=model", "trainer = RingDPOTrainer(model=policy")
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "trainers.md"
+
+
+def docs_block(line, page):
+    """The one ```python block of ``page`` holding ``line``."""
+    text = page.read_text()
+    found = [part[:part.index("```")] for part in text.split("```python\n")[1:]
+             if line in part[:part.index("```")]]
+    assert len(found) == 1, f"{len(found)} python blocks of {page} hold {line!r}"
+    return found[0]
+
+
+def docs_names(out):
+    """The names the TRL blocks of the docs say are the reader's: ``config``, ``tokenizer``,
+    ``sft_args`` / ``ds`` (prompt/completion pairs, packed) and ``dpo_args`` / ``pairs``."""
+    from trl import DPOConfig, SFTConfig
+
+    return {"config": tiny_causal_lm("llama", "eager").config, "tokenizer": tokenizer(),
+            "sft_args": SFTConfig(**common(out / "docs_sft", packing=True, max_length=23)),
+            "ds": prompt_completion(8, 8),
+            "dpo_args": DPOConfig(**common(out / "docs_dpo", beta=0.5, learning_rate=0.1)),
+            "pairs": pairs(6, 9)}
+
+
+def docs(ref, out, page=None):
+    """The docs' TRL blocks as printed (CP), or the same runs with TRL's trainers in one
+    process; the log history of each."""
+    from transformers import AutoModelForCausalLM
+    from trl import DPOTrainer, SFTTrainer
+
+    page = Path(page) if page else DOCS
+    res = {}
+    for line, key in zip(DOCS_LINES, ("sft", "dpo")):
+        names = docs_names(out)
+        torch.manual_seed(0)  # the same initial weights in both runs
+        if ref:
+            build = lambda: AutoModelForCausalLM.from_config(names["config"],  # noqa: E731
+                                                              attn_implementation="eager")
+            if key == "sft":
+                trainer = SFTTrainer(model=build(), args=names["sft_args"],
+                                     train_dataset=names["ds"],
+                                     processing_class=names["tokenizer"])
+            else:
+                policy, reference = build(), build()
+                reference.load_state_dict(policy.state_dict())
+                trainer = DPOTrainer(model=policy, ref_model=reference, args=names["dpo_args"],
+                                     train_dataset=names["pairs"],
+                                     processing_class=names["tokenizer"])
+            trainer.train()
+        else:
+            exec(compile(docs_block(line, page), str(page), "exec"), names)
+            trainer = names["trainer"]
+        res[key] = trainer.state.log_history
+    return res
+
+
 CASES = {"sft_packed": sft_packed, "sft_padded": sft_padded, "dpo": dpo_sigmoid,
-         "dpo_mix": dpo_mix, "refusals": refusals}
+         "dpo_mix": dpo_mix, "refusals": refusals, "docs": docs}
+DEFAULT = ("sft_packed", "sft_padded", "dpo", "dpo_mix", "refusals")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ref", action="store_true")
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--cases", default=",".join(DEFAULT))
+    ap.add_argument("--docs", default=None, help="the page holding the TRL blocks (case docs; "
+                    "default docs/trainers.md)")
     args = ap.parse_args()
     if not args.ref:
         from ringattn.integrations import transformers as ra_hf
@@ -209,7 +300,8 @@ def main():
     rank = int(os.environ.get("RANK", 0))
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.cases.split(","):
-        res = CASES[name](args.ref, args.out)
+        res = (docs(args.ref, args.out, args.docs) if name == "docs"
+               else CASES[name](args.ref, args.out))
         if isinstance(res, dict):
             (args.out / f"{name}.{rank}.json").write_text(json.dumps(res))
             continue

@@ -68,13 +68,18 @@ __all__ = ["RingSFTTrainer", "RingDPOTrainer"]
 _TOKENS = "ring_num_tokens"  # the global batch's token count, carried next to a shard
 
 
-def _refuse_common(trainer) -> None:
-    """What neither TRL trainer can do exactly under CP (see the module doc)."""
-    name, args = type(trainer).__name__, trainer.args
-    if trainer.dp_size > 1:
-        raise ValueError(f"{name} runs the whole world as one context-parallel group; cp_size="
-                         f"{dist.get_world_size() // trainer.dp_size} of {dist.get_world_size()} "
-                         "ranks (dp x cp) is not supported")
+def _bound(trainer_cls, args, kwargs) -> dict:
+    """The arguments of a ``trainer_cls(*args, **kwargs)`` call, by name (the mixin's
+    keywords left out)."""
+    sig = inspect.signature(trainer_cls.__init__)
+    mine = {k: v for k, v in kwargs.items() if k in sig.parameters}
+    return sig.bind_partial(None, *args, **mine).arguments
+
+
+def _refuse_args(name: str, args) -> None:
+    """Options refused before TRL's ``__init__`` runs (see the module doc)."""
+    if args is None:
+        return
     if args.neftune_noise_alpha is not None:
         raise ValueError(f"{name} does not support neftune_noise_alpha="
                          f"{args.neftune_noise_alpha}: each rank would add other noise to its "
@@ -82,6 +87,15 @@ def _refuse_common(trainer) -> None:
     if args.use_liger_kernel:
         raise ValueError(f"{name} does not support use_liger_kernel=True: Liger's kernels are "
                          "not checked against ring attention's sharding")
+
+
+def _refuse_built(trainer) -> None:
+    """What the built trainer shows that cannot be exact (see the module doc)."""
+    name = type(trainer).__name__
+    if trainer.dp_size > 1:
+        raise ValueError(f"{name} runs the whole world as one context-parallel group; cp_size="
+                         f"{dist.get_world_size() // trainer.dp_size} of {dist.get_world_size()} "
+                         "ranks (dp x cp) is not supported")
     if getattr(trainer, "aux_loss_enabled", False):
         raise ValueError(f"{name} does not support a MoE router auxiliary loss "
                          "(output_router_logits): it is a mean over each rank's shard")
@@ -98,8 +112,9 @@ class RingSFTTrainer(RingTrainerMixin, SFTTrainer):
     """
 
     def __init__(self, *args, **kwargs):
+        _refuse_args(type(self).__name__, _bound(SFTTrainer, args, kwargs).get("args"))
         super().__init__(*args, **kwargs)
-        _refuse_common(self)
+        _refuse_built(self)
 
     def _shard(self, inputs: dict) -> dict:
         """This rank's shard, plus the global batch's token count for TRL's ``num_tokens``
@@ -233,11 +248,10 @@ class RingDPOTrainer(RingTrainerMixin, DPOTrainer):
     loss_is_scaled_for_ga = False
 
     def __init__(self, *args, **kwargs):
-        params = inspect.signature(DPOTrainer.__init__).parameters
-        bound = inspect.signature(DPOTrainer.__init__).bind_partial(
-            None, *args, **{k: v for k, v in kwargs.items() if k in params})
-        dpo_args, ref_model = bound.arguments.get("args"), bound.arguments.get("ref_model")
+        bound = _bound(DPOTrainer, args, kwargs)
+        dpo_args, ref_model = bound.get("args"), bound.get("ref_model")
         name = type(self).__name__
+        _refuse_args(name, dpo_args)
         if ref_model is None:
             raise ValueError(f"{name} needs a ref_model (with attn_implementation='ringattn'): "
                              "without one TRL loads the reference by name or disables the policy's "
@@ -248,7 +262,7 @@ class RingDPOTrainer(RingTrainerMixin, DPOTrainer):
         check_attention(ref_model)
         check_model(ref_model)
         super().__init__(*args, **kwargs)
-        _refuse_common(self)
+        _refuse_built(self)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The global micro-batches (DPO shards inside the model calls); no target count:
