@@ -1,9 +1,28 @@
-"""``ringattn.apps.train`` as users start it: under torchrun on a text file, and ``ringattn train``.
+"""``ringattn train`` as users start it: under torchrun, on spawned ranks, in one process.
 
-Under torchrun (2 gloo ranks, byte-level tokens of a text file, S = 37 which 2 does not
-divide) the per-step losses must equal the same model trained in one process with
-transformers' "eager" attention within 1e-5 relative: three steps, before training can
-amplify float32 rounding (~1e-7) by much.
+The app trains through transformers' Trainer: ``RingTrainer`` on the ranks, a plain
+``Trainer`` in one process. One module fixture makes every run once (starting transformers
+costs more than the runs): four multi-rank runs and their one-process references, each
+with a checkpoint at every step. The CP runs must equal one process (the ``--attn eager``
+or ``sdpa`` run of the same options) within 1e-5 relative in fp32: the loss of every step
+and the gradient of every parameter (the first step's, read from the checkpoint's AdamW
+``exp_avg``, which is 0.1 x the gradient after one step). Later weights are not compared
+across the two: Adam's first steps move a weight by about lr x sign(gradient), so a
+gradient that is rounding-sized (a near-cancelled sum) moves its weight by a different
+lr-sized amount in each run (measured: 4e-4 of a tensor's largest weight after one step),
+while the loss stays within 1e-7. A resumed run repeats the arithmetic of the run it
+resumes, so its weights are compared.
+
+* ``cp2``: torchrun, W=2, ring, zigzag, bytes of a text file, S=37 (2W=4 does not divide it),
+  three steps;
+* ``resumed``: torchrun, W=2, ``--resume`` from ``cp2``'s checkpoint of step 1: steps 2
+  and 3 must repeat ``cp2``'s (losses and final weights, optimizer state);
+* ``cp3``: ``ringattn train --world 3`` (spawned ranks), ``--model`` a directory saved by
+  ``save_pretrained`` (loaded with its weights), strategy auto, contiguous layout, S=37,
+  the copy task;
+* ``cp4``: torchrun, W=4, hybrid (2 ring x 2 Ulysses), ``--model`` a directory with only a
+  Qwen2 config (a sliding-window layer and a full one: random weights from the seed); its
+  reference reads the same config as a ``config.json`` path.
 """
 
 from __future__ import annotations
@@ -12,56 +31,172 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from ringattn.apps import cli
-from ringattn.apps.train import TrainConfig, train
 
 pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
+from models import tiny_causal_lm  # noqa: E402
+from reference import rel_err  # noqa: E402
 
 TEXT = b"It was the best of times, it was the worst of times, it was the age of wisdom. " * 8
-ARGS = ["--steps", "3", "--seqlen", "37", "--batch", "2", "--no-progress"]
+ARGS = ["--seqlen", "37", "--batch", "2", "--no-progress", "--save-steps", "1"]
+TOL = 1e-5
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+TRAIN = ["-m", "ringattn.apps.train"]
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("strategy,world", [("ring", 2), ("ulysses", 2), ("hybrid", 4),
-                                            ("auto", 2)])
-def test_torchrun_on_text_equals_one_process(tmp_path, strategy, world):
-    """--strategy hybrid runs on 4 ranks, a 2 (ring) x 2 (ulysses) mesh."""
-    data = tmp_path / "text.txt"
-    data.write_bytes(TEXT)
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(world), "-m", "ringattn.apps.train", "--data", str(data), "--out", str(out), *ARGS,
-           "--strategy", strategy, *(["--ulysses", "2"] if strategy == "hybrid" else [])]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-    got = json.loads((out / "train.json").read_text())
-    assert got["world"] == world and got["attn"] == "ringattn" and got["config"]["data"] == str(data)
-    assert got["config"]["strategy"] == strategy
-    assert len(got["peak_rss_mib"]) == world and (out / "loss.png").stat().st_size > 10_000
-    cfg = TrainConfig(steps=3, seqlen=37, batch=2, data=str(data))
-    want = train(cfg, attn_implementation="eager", progress=False)["loss"]
-    for step, (a, b) in enumerate(zip(got["loss"], want, strict=True)):
-        assert abs(a - b) <= 1e-5 * abs(b), (step, a, b)
+def _launch(cmd, cwd) -> str | None:
+    """Run a multi-rank command; its failure (output tail) or None."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
+    except subprocess.TimeoutExpired as e:
+        return f"timed out after 300 s: {cmd}\n{e.stdout}\n{e.stderr}"
+    return None if proc.returncode == 0 else proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
-def test_cli_train_one_process(tmp_path, capsys):
-    out = tmp_path / "out"
-    assert cli.main(["train", "--attn", "sdpa", "--out", str(out), *ARGS]) == 0
-    got = json.loads((out / "train.json").read_text())
-    assert got["world"] == 1 and got["attn"] == "sdpa" and len(got["loss"]) == 3
-    assert "final loss" in capsys.readouterr().out
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(directory, {run: failure or None}): the CP runs and, in this process through
+    ``ringattn train --attn eager|sdpa``, their one-process references (``<run>_ref``)."""
+    out = tmp_path_factory.mktemp("train")
+    text = out / "text.txt"
+    text.write_bytes(TEXT)
+    tiny_causal_lm("llama", "eager").save_pretrained(out / "saved")
+    tiny_causal_lm("qwen2-sliding", "eager").config.save_pretrained(out / "config")
+    cp2 = ["--data", str(text), "--steps", "3", *ARGS]
+    cp3 = ["--model", str(out / "saved"), "--steps", "2", *ARGS]
+    failures = {
+        "cp2": _launch([*TORCHRUN, "2", *TRAIN, *cp2, "--out", "cp2"], out),
+        "resumed": _launch([*TORCHRUN, "2", *TRAIN, *cp2, "--out", "resumed", "--resume",
+                            str(out / "cp2" / "checkpoint-1")], out),
+        "cp3": _launch([sys.executable, "-m", "ringattn.apps.cli", "train", "--world", "3",
+                        *cp3, "--strategy", "auto", "--layout", "contiguous", "--out", "cp3"],
+                       out),
+        "cp4": _launch([*TORCHRUN, "4", *TRAIN, "--model", str(out / "config"), "--steps", "2",
+                        *ARGS, "--strategy", "hybrid", "--ulysses", "2", "--out", "cp4"], out),
+    }
+    for name, argv in (("cp2", [*cp2, "--attn", "eager"]), ("cp3", [*cp3, "--attn", "eager"]),
+                       ("cp4", ["--model", str(out / "config" / "config.json"), "--steps", "2",
+                                *ARGS, "--attn", "sdpa"])):
+        assert cli.main(["train", *argv, "--out", str(out / f"{name}_ref")]) == 0
+    return out, failures
 
 
-def test_cli_train_rejects_bad_options(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["train", "--data", str(tmp_path / "missing.txt"), *ARGS])
-    assert exc.value.code == 2
-    assert "missing.txt" in capsys.readouterr().err
+def _run(runs, name) -> tuple[Path, dict]:
+    out, failures = runs
+    path = out / name / "train.json"
+    if not path.exists():
+        pytest.fail(f"run {name} wrote no train.json:\n{failures.get(name)}")
+    return out / name, json.loads(path.read_text())
+
+
+def _checkpoint(run_dir: Path, step: int) -> tuple[dict, dict]:
+    """(the weights, the AdamW state by parameter name) of a run's checkpoint."""
+    from safetensors.torch import load_file
+
+    ck = run_dir / f"checkpoint-{step}"
+    weights = load_file(ck / "model.safetensors")
+    state = torch.load(ck / "optimizer.pt", weights_only=False)["state"]
+    return weights, state
+
+
+def _assert_losses(worst_errors, name, got, want):
+    assert len(got) == len(want), (name, got, want)
+    for step, (a, b) in enumerate(zip(got, want)):
+        err = abs(a - b) / abs(b)
+        worst_errors[("train", "loss")] = (max(worst_errors.get(("train", "loss"), (0, TOL))[0],
+                                                err), TOL)
+        assert err <= TOL, f"{name} step {step + 1}: loss {a} vs one process {b} ({err:.2e})"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name,world,strategy,model", [
+    ("cp2", 2, "ring", "LlamaForCausalLM"), ("cp3", 3, "auto", "LlamaForCausalLM"),
+    ("cp4", 4, "hybrid", "Qwen2ForCausalLM")])
+def test_cp_run_equals_one_process(runs, worst_errors, name, world, strategy, model):
+    """Every step's loss and the first step's gradient of every parameter (the AdamW
+    state of checkpoint-1: exp_avg = 0.1 x gradient) equal the one-process run's."""
+    cp_dir, got = _run(runs, name)
+    ref_dir, want = _run(runs, f"{name}_ref")
+    assert got["world"] == world and got["attn"] == "ringattn" and want["world"] == 1
+    assert got["config"]["strategy"] == strategy and got["model"]["class"] == model
+    assert got["model"] == want["model"] and len(got["peak_rss_mib"]) == world
+    assert (cp_dir / "loss.png").stat().st_size > 10_000
+    assert set(got) >= {"accuracy", "tokens_per_s", "seconds", "rss_start_mib"}
+    for key in ("loss", *(["copy_loss"] if name != "cp2" else [])):
+        _assert_losses(worst_errors, f"{name} {key}", got[key], want[key])
+    # next-token accuracy: at most one of the B * (S - 1) targets on the other side of a tie
+    cfg = got["config"]
+    one = 1 / (cfg["batch"] * (cfg["seqlen"] - 1))
+    assert all(abs(a - b) <= one for a, b in zip(got["accuracy"], want["accuracy"], strict=True))
+    steps = got["config"]["steps"]
+    assert sorted(p.name for p in cp_dir.glob("checkpoint-*")) == [
+        f"checkpoint-{k}" for k in range(1, steps + 1)]
+    weights, state = _checkpoint(cp_dir, 1)
+    ref_weights, ref_state = _checkpoint(ref_dir, 1)
+    assert weights.keys() == ref_weights.keys() and state.keys() == ref_state.keys()
+    assert len(state) == len(ref_state) > 0
+    for i in ref_state:
+        err = rel_err(state[i]["exp_avg"], ref_state[i]["exp_avg"])
+        worst_errors[("train", "grad")] = (max(worst_errors.get(("train", "grad"), (0, TOL))[0],
+                                                err), TOL)
+        assert err <= TOL, f"{name}: step-1 gradient of parameter {i}: relative error {err:.2e}"
+
+
+@pytest.mark.timeout(900)
+def test_resumed_run_repeats_the_uninterrupted_one(runs, worst_errors):
+    """Resumed at step 1 of 3: the losses of steps 2 and 3 (and the curves of step 1, from
+    the checkpoint), the final weights and the optimizer state are the uninterrupted run's."""
+    run_dir, got = _run(runs, "resumed")
+    full_dir, want = _run(runs, "cp2")
+    assert got["resumed_at"] == 1 and want["resumed_at"] == 0
+    assert got["loss"][0] == want["loss"][0]  # the step before the checkpoint, recorded in it
+    _assert_losses(worst_errors, "resumed", got["loss"], want["loss"])
+    assert sorted(p.name for p in run_dir.glob("checkpoint-*")) == ["checkpoint-2",
+                                                                    "checkpoint-3"]
+    weights, state = _checkpoint(run_dir, 3)
+    full_weights, full_state = _checkpoint(full_dir, 3)
+    for key, w in full_weights.items():
+        err = rel_err(weights[key], w)
+        assert err <= TOL, f"resumed final weight {key}: relative error {err:.2e}"
+    for i, s in full_state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            err = rel_err(state[i][key], s[key])
+            assert err <= TOL, f"resumed {key} of parameter {i}: relative error {err:.2e}"
+        assert float(state[i]["step"]) == float(s["step"]) == 3
+
+
+def test_model_directory_is_loaded_with_its_weights(runs):
+    """``--model`` a saved directory trains the saved weights: the first step's loss is the
+    saved model's own on the first batch (random weights would not give it)."""
+    from transformers import AutoModelForCausalLM
+
+    from ringattn.apps.train import TrainConfig, make_batches
+
+    out, _ = runs
+    _, got = _run(runs, "cp3_ref")
+    model = AutoModelForCausalLM.from_pretrained(out / "saved", attn_implementation="eager")
+    ids = next(make_batches(TrainConfig(**{k: got["config"][k] for k in ("steps", "seqlen",
+                                                                         "batch", "seed")})))
+    with torch.no_grad():
+        loss = float(model(input_ids=ids, labels=ids).loss)
+    assert abs(got["loss"][0] - loss) <= TOL * loss, (got["loss"][0], loss)
+    assert got["model"]["parameters"] == sum(p.numel() for p in model.parameters())
+
+
+def test_one_process_run_prints_its_summary(runs):
+    out, _ = runs
+    _, got = _run(runs, "cp2_ref")
+    assert got["world"] == 1 and got["attn"] == "eager" and len(got["loss"]) == 3
+    assert (out / "cp2_ref" / "loss.png").stat().st_size > 10_000
 
 
 @pytest.mark.timeout(240)
@@ -88,21 +223,43 @@ def test_eagle3_under_torchrun_dp_x_cp_equals_one_process(tmp_path):
     assert got["step_accuracy"] == want["step_accuracy"]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("argv,torchrun_world,named", [
-    (["train", "--world", "3", "--strategy", "hybrid", "--ulysses", "2"], None,
+    (["--world", "3", "--strategy", "hybrid", "--ulysses", "2"], None,
      "ulysses=2 to divide the world of 3"),
-    (["train", "--strategy", "hybrid", "--ulysses", "2"], "3", "ulysses=2 to divide the world of 3"),
-    (["train", "--world", "3", "--ulysses", "2"], None, "--ulysses applies only with --strategy hybrid"),
-    (["train", "--world", "0"], None, "world must be an int >= 1"),
-    (["demo", "--target", "lm", "--world", "0"], None, "world must be an int >= 1"),
+    (["--strategy", "hybrid", "--ulysses", "2"], "3", "ulysses=2 to divide the world of 3"),
+    (["--world", "3", "--ulysses", "2"], None, "--ulysses applies only with --strategy hybrid"),
+    (["--world", "0"], None, "world must be an int >= 1"),
+    (["--save-steps", "-1"], None, "save_steps must be an int >= 0, got -1"),
+    (["--data", "{out}/missing.txt"], None, "data='{out}/missing.txt' is not a file"),
+    (["--model", "{out}/nowhere"], None, "model='{out}/nowhere' does not exist"),
+    (["--model", "{out}/cp2"], None, "model='{out}/cp2' is a directory without a config.json"),
+    (["--model", "{out}/saved", "--hidden", "32"], None,
+     "hidden=32 sizes the built-in model; with model='{out}/saved' its config sets the sizes"),
+    (["--model", "{out}/saved", "--data", "{out}/text.txt"], None,
+     "model='{out}/saved' has vocab_size 97, fewer than the 256 tokens of byte-level text"),
+    (["--model", "{out}/saved", "--seqlen", "300"], None,
+     "model='{out}/saved' has max_position_embeddings 256, below seqlen=300"),
+    (["--model", "{out}/text.txt"], None, "model='{out}/text.txt': transformers cannot read"),
+    (["--resume", "{out}/cp2"], None, "resume='{out}/cp2' is not a checkpoint of ringattn train"),
+    (["--resume", "{out}/cp2/checkpoint-1", "--data", "{out}/text.txt", "--steps", "3",
+      "--seqlen", "40"], None, "resume='{out}/cp2/checkpoint-1' was written with another "
+     "configuration: seqlen=37 (now 40)"),
+    (["--resume", "{out}/cp2/checkpoint-3", "--data", "{out}/text.txt", "--steps", "3"], "2",
+     "resume='{out}/cp2/checkpoint-3' is at step 3, not before the last of steps=3"),
+    (["--model", "{out}/cp2_ref/checkpoint-1", "--data", "{out}/text.txt", "--steps", "3",
+      "--resume", "{out}/cp2/checkpoint-1"], None,
+     "was written with another configuration: model=None (now '{out}/cp2_ref/checkpoint-1')"),
 ])
-def test_cli_refuses_arguments_before_spawning(monkeypatch, capsys, argv, torchrun_world, named):
+def test_cli_refuses_arguments_before_spawning(runs, monkeypatch, capsys, argv, torchrun_world,
+                                               named):
     """Arguments that cannot run exit with status 2 and one line naming them, before any
     rank is spawned or joins a group (``--world 3 --strategy hybrid --ulysses 2`` once
     failed after 45 s of spawning with a 40-line traceback)."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
+
+    out, _ = runs
 
     def started(*args, **kwargs):
         raise AssertionError("a rank was started before the arguments were checked")
@@ -113,11 +270,27 @@ def test_cli_refuses_arguments_before_spawning(monkeypatch, capsys, argv, torchr
         monkeypatch.setenv("WORLD_SIZE", torchrun_world)
     else:
         monkeypatch.delenv("WORLD_SIZE", raising=False)
+    argv = [a.format(out=out) for a in argv]
+    base = ["--seqlen", "37", "--batch", "2", "--no-progress"]
     with pytest.raises(SystemExit) as exc:
-        cli.main([*argv, *ARGS] if argv[0] == "train" else argv)
+        cli.main(["train", *base, *argv])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert named in err and len(err.strip().splitlines()) <= 3, err
+    assert named.format(out=out) in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.timeout(60)
+def test_demo_refuses_a_bad_world_before_spawning(monkeypatch, capsys):
+    import torch.multiprocessing as mp
+
+    def started(*args, **kwargs):
+        raise AssertionError("a rank was started before the arguments were checked")
+
+    monkeypatch.setattr(mp, "spawn", started)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--target", "lm", "--world", "0"])
+    assert exc.value.code == 2
+    assert "world must be an int >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(60)

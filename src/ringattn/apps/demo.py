@@ -6,10 +6,11 @@ second-half token is predictable only by attending S/2 positions back, which the
 layout puts on another rank). It is trained twice from the same seed on the same batches
 with the same optimizer:
 
-* context-parallel: W gloo ranks, ``attn_implementation="ringattn"``, each rank calling the
-  model on its shard from ``ringattn.shard_batch``; the gradients are summed over the ranks;
+* context-parallel: W gloo ranks, ``attn_implementation="ringattn"``, trained by
+  ``RingTrainer`` (each rank calls the model on its shard from ``ringattn.shard_batch``;
+  DDP sums the gradients over the ranks);
 * single-process: the whole sequences in one process with transformers' own "sdpa" (or
-  "eager") attention.
+  "eager") attention, trained by transformers' plain ``Trainer``.
 
 Exact attention means the two loss curves agree to float32 rounding at every step; the demo
 fails (``result["failures"]`` non-empty, ``ringattn demo`` exits 1) when they do not, or when

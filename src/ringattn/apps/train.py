@@ -3,13 +3,17 @@
 Legend: B batch, S global seq, L local seq (padded S / W), V vocab, W world size,
 N bytes of the text file.
 
-The model is a small ``LlamaForCausalLM`` (random weights, GQA, no hub access) with
-``attn_implementation="ringattn"`` (``ringattn.integrations.transformers``). Every rank
-builds the same global batch, takes its shard with ``ringattn.shard_batch`` and calls the
-model on it; the model's loss is the rank's share of the GLOBAL mean loss, so after
-backward each gradient is summed over the group (one all-reduce per step) and every rank
-takes the same optimizer step. The same loop trains the model in one process with
-transformers' own attention ("sdpa" or "eager") when no group is given.
+The model is a small ``LlamaForCausalLM`` (random weights, GQA, no hub access), or the
+user's (``--model``: a local directory saved by ``save_pretrained``, loaded with its
+weights, or a config, a ``config.json`` file or a directory holding only one, built with
+seeded random weights). Training runs through transformers' ``Trainer``: on the ranks it is
+``RingTrainer`` (``ringattn.integrations.hf_trainer``, ``attn_implementation="ringattn"``:
+every rank reads the same global batch, shards it along the sequence and adds its share of
+the global mean loss; DDP sums the gradients), in one process a plain ``Trainer`` with
+transformers' own attention ("sdpa" or "eager"): the same optimizer (AdamW, cosine decay),
+batches and steps on both sides, so the two runs' losses and weights agree to float32
+rounding. ``--save-steps`` writes Trainer checkpoints to the output directory, and
+``--resume CHECKPOINT`` continues one as if the run had never stopped.
 
 Data: the copy task by default (a random first half, then its copy: a second-half token is
 predictable only by attending S/2 positions back, which the zigzag and contiguous layouts
@@ -44,15 +48,15 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from ..validate import STRATEGY_CHOICES, check_strategy
-from ..batch import all_reduce_metrics, shard_batch
-from ..comm import hybrid_mesh, resolve_group
+from ..batch import all_reduce_metrics
+from ..comm import resolve_group
 from ..integrations import transformers as ra_hf
 from ..layouts import LAYOUTS
-from ..sharding import positions
 from . import Parser, require_extra
 
 __all__ = [
-    "TrainConfig", "build_model", "make_batches", "train", "spawn", "plot_curves",
+    "TrainConfig", "model_source", "build_model", "make_batches", "read_checkpoint", "train",
+    "spawn", "plot_curves",
     "add_arguments", "run_from_args", "run_and_report", "main",
 ]
 
@@ -64,6 +68,16 @@ SINGLE_ATTN = ("sdpa", "eager")
 
 BYTE_VOCAB = 256
 """Vocabulary of text data: one token per byte."""
+
+BUILT_IN_SIZES = ("hidden", "intermediate", "heads", "kv_heads", "layers", "init_std")
+"""The ``TrainConfig`` fields that size the built-in model (not a ``model`` of the user's)."""
+
+RESUMABLE = ("layout", "strategy", "ulysses", "log_every", "save_steps")
+"""The ``TrainConfig`` fields a resumed run may change: they do not change what is computed
+(every layout and strategy is exact)."""
+
+RECORD = "ringattn_train.json"
+"""The file in each checkpoint that holds the configuration and the curves so far."""
 
 
 def _is_int(value, low: int) -> bool:
@@ -95,6 +109,13 @@ class TrainConfig:
 
     data: str | None = None
     """A local text file trained on as bytes (V = 256); None: the synthetic copy task."""
+
+    model: str | None = None
+    """The user's model: a local directory saved by ``save_pretrained`` (loaded with its
+    weights), or a config (a ``config.json`` file, or a directory holding a config and no
+    weights: built with random weights seeded by ``seed``); its vocabulary must hold the
+    data's V tokens. None: the built-in ``LlamaForCausalLM`` of the sizes below (which must
+    keep their defaults with a ``model``)."""
 
     copy_vocab: int = 16
     """Vocabulary V of the copy task (ignored with ``data``)."""
@@ -133,6 +154,11 @@ class TrainConfig:
     log_every: int = 25
     """Rank 0 prints a log line every this many steps (0: none)."""
 
+    save_steps: int = 0
+    """Write a Trainer checkpoint (``checkpoint-<step>`` in the output directory: weights,
+    optimizer, schedule, RNG states, and the curves so far) every this many steps and at
+    the last step (0: none)."""
+
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "copy_vocab", "hidden", "intermediate", "heads",
                      "kv_heads", "layers"):
@@ -162,6 +188,8 @@ class TrainConfig:
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if not _is_int(self.log_every, 0):
             raise ValueError(f"log_every must be an int >= 0, got {self.log_every!r}")
+        if not _is_int(self.save_steps, 0):
+            raise ValueError(f"save_steps must be an int >= 0, got {self.save_steps!r}")
         if self.data is not None:
             if not os.path.isfile(self.data):
                 raise ValueError(f"data={self.data!r} is not a file")
@@ -170,20 +198,37 @@ class TrainConfig:
                 raise ValueError(
                     f"data={self.data!r} has {size} bytes, fewer than seqlen={self.seqlen}"
                 )
+        if self.model is not None:
+            defaults = TrainConfig()
+            for name in BUILT_IN_SIZES:
+                if getattr(self, name) != getattr(defaults, name):
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} sizes the built-in model; with "
+                        f"model={self.model!r} its config sets the sizes")
+            model_source(self)
 
     def check_world(self, world: int) -> None:
-        """Refuse a world size W this configuration cannot run on (``spawn`` and the CLI
-        call it before starting any rank).
+        """Refuse a world size W this configuration cannot run on under ring attention
+        (``spawn`` and the CLI call it before starting any rank).
 
         Raises:
-            ValueError: W not an int >= 1, or (strategy "hybrid") ``ulysses`` not a
-                divisor of W.
+            ValueError: W not an int >= 1, (strategy "hybrid") ``ulysses`` not a divisor of
+                W, or a ``model`` whose class ring attention cannot run exactly
+                (``integrations.transformers.check_model``).
         """
         if not _is_int(world, 1):
             raise ValueError(f"world must be an int >= 1, got {world!r}")
         if self.strategy == "hybrid" and world % self.ulysses:
             raise ValueError(f"strategy 'hybrid' needs ulysses={self.ulysses} to divide the "
                              f"world of {world} ranks")
+        if self.model is not None:
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+            config, _ = model_source(self)
+            try:
+                ra_hf.check_model(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], config)
+            except ValueError as exc:
+                raise ValueError(f"model={self.model!r}: {exc}") from None
 
     @property
     def vocab(self) -> int:
@@ -199,11 +244,61 @@ class TrainConfig:
 # ----------------------------------------------------------------------------- model, data
 
 
+WEIGHT_FILES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
+"""Endings of the weight files ``save_pretrained`` writes: a model directory holding one is
+loaded with its weights."""
+
+
+def model_source(cfg: TrainConfig):
+    """The config of ``cfg.model`` and whether it comes with weights, checked.
+
+    Returns:
+        (the transformers config, True for a directory with weight files: ``from_pretrained``;
+        False for a config alone: ``from_config``).
+
+    Raises:
+        ValueError: a path that does not exist, a directory without ``config.json``, a
+            config transformers cannot read or that has no causal-LM class, a vocabulary
+            smaller than the data's, or ``max_position_embeddings`` below ``seqlen``.
+    """
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    path = cfg.model
+    if not isinstance(path, str) or not os.path.exists(path):
+        raise ValueError(f"model={path!r} does not exist (a model directory, or a config.json)")
+    weights = False
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"model={path!r} is a directory without a config.json")
+        weights = any(f.endswith(WEIGHT_FILES) for f in os.listdir(path))
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # transformers raises OSError, ValueError, KeyError, JSON errors
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"model={path!r}: transformers cannot read its config ({first})") from None
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"model={path!r}: transformers has no causal-LM class for its "
+                         f"model_type {config.model_type!r}")
+    vocab = getattr(config.get_text_config(), "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < cfg.vocab:
+        data = "the copy task's copy_vocab" if cfg.data is None else "byte-level text"
+        raise ValueError(f"model={path!r} has vocab_size {vocab}, fewer than the {cfg.vocab} "
+                         f"tokens of {data}")
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if isinstance(limit, int) and limit < cfg.seqlen:
+        raise ValueError(f"model={path!r} has max_position_embeddings {limit}, below "
+                         f"seqlen={cfg.seqlen}")
+    return config, weights
+
+
 def build_model(cfg: TrainConfig, attn_implementation: str):
-    """A tiny ``LlamaForCausalLM`` with seeded random weights, the same in every process.
+    """The model of ``cfg``, the same in every process: the built-in tiny
+    ``LlamaForCausalLM`` with seeded random weights, or ``cfg.model`` (its saved weights, or
+    its config with random weights seeded by ``cfg.seed``).
 
     Arguments:
-        cfg: the configuration (sizes, seed).
+        cfg: the configuration (sizes or model, seed).
         attn_implementation: "ringattn" (registered here), "sdpa" or "eager"; it does not
             change the weights.
 
@@ -211,9 +306,9 @@ def build_model(cfg: TrainConfig, attn_implementation: str):
         The model in float32, in training mode. The global RNG is left untouched.
 
     Raises:
-        ValueError: an unknown attn_implementation.
+        ValueError: an unknown attn_implementation; a ``cfg.model`` ``model_source`` refuses.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     if attn_implementation == ra_hf.NAME:
         ra_hf.register()
@@ -222,18 +317,24 @@ def build_model(cfg: TrainConfig, attn_implementation: str):
             f"attn_implementation must be {ra_hf.NAME!r} or one of {SINGLE_ATTN}, "
             f"got {attn_implementation!r}"
         )
-    config = LlamaConfig(
-        vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
-        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
-        num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.seqlen,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )
-    config.initializer_range = cfg.init_std
-    config._attn_implementation = attn_implementation
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        model = LlamaForCausalLM(config).float()
-    return model.train()
+        if cfg.model is None:
+            config = LlamaConfig(
+                vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
+                num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+                num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.seqlen,
+                bos_token_id=None, eos_token_id=None, pad_token_id=None,
+            )
+            config.initializer_range = cfg.init_std
+            config._attn_implementation = attn_implementation
+            model = LlamaForCausalLM(config)
+        else:
+            config, weights = model_source(cfg)
+            kw = dict(attn_implementation=attn_implementation, dtype=torch.float32)
+            model = (AutoModelForCausalLM.from_pretrained(cfg.model, local_files_only=True, **kw)
+                     if weights else AutoModelForCausalLM.from_config(config, **kw))
+    return model.float().train()
 
 
 def make_batches(cfg: TrainConfig):
@@ -304,32 +405,189 @@ def peak_rss_mib() -> float:
 # ----------------------------------------------------------------------------- the loop
 
 
+class _Rows(torch.utils.data.Dataset):
+    """The rows of ``make_batches``, batch after batch: row ``i`` is row ``i % B`` of batch
+    ``i // B``. Batches are made when read (one held at a time; a read behind the current
+    one replays the generator from the start), so a long run holds no copy of its data."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg, self._batches, self._k, self._held = cfg, None, -1, None
+
+    def __len__(self) -> int:
+        return self.cfg.steps * self.cfg.batch
+
+    def __getitem__(self, i: int) -> dict:
+        k, row = divmod(int(i), self.cfg.batch)
+        if k < self._k or self._batches is None:
+            self._batches, self._k = make_batches(self.cfg), -1
+        while self._k < k:
+            self._held, self._k = next(self._batches), self._k + 1
+        ids_S = self._held[row]
+        return {"input_ids": ids_S, "labels": ids_S}
+
+
+class _StepMetrics:
+    """Trainer mixin: ``compute_loss`` also takes the step's token metrics (global means
+    over every target, ``_token_stats``) from the logits, into ``self.step_metrics``."""
+
+    def __init__(self, *args, lm_cfg: TrainConfig, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lm_cfg, self.step_metrics = lm_cfg, []
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
+                                             num_items_in_batch=num_items_in_batch)
+        cfg = self.lm_cfg
+        with torch.no_grad():
+            if "ring_context" in inputs:  # this rank's shard (RingTrainer.get_batch_samples)
+                targets_BL, pos_BL = inputs["shift_labels"], inputs["position_ids"]
+            else:
+                targets_BL = F.pad(inputs["labels"][:, 1:], (0, 1), value=IGNORE)
+                pos_BL = torch.arange(targets_BL.shape[1])
+            stats = _token_stats(outputs.logits.detach(), targets_BL, pos_BL, cfg)
+        if "ring_context" in inputs:  # RingTrainer's CP group: the whole world
+            self.step_metrics.append(all_reduce_metrics(stats, dist.group.WORLD))
+        else:
+            self.step_metrics.append({k: float(s) / float(n) if n else float("nan")
+                                      for k, (s, n) in stats.items()})
+        return (loss, outputs) if return_outputs else loss
+
+
+def _trainer_classes():
+    """(the context-parallel trainer class, the one-process trainer class)."""
+    from transformers import Trainer
+
+    from ..integrations.hf_trainer import RingTrainer
+
+    class LMRingTrainer(_StepMetrics, RingTrainer):
+        """``RingTrainer`` recording the step's token metrics."""
+
+    class LMTrainer(_StepMetrics, Trainer):
+        """transformers' ``Trainer`` recording the step's token metrics."""
+
+    return LMRingTrainer, LMTrainer
+
+
+def _steps_callback(cfg: TrainConfig, trainer, curves: dict, *, what: str, show: bool,
+                    start: int):
+    """A ``TrainerCallback`` that keeps the curves (the step's metrics and tokens/s), shows
+    the progress bar and log lines (``show``: rank 0), and writes the configuration and the
+    curves so far into every checkpoint (``RECORD``), for a resumed run's curves."""
+    from tqdm import tqdm
+    from transformers import TrainerCallback
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    class Steps(TrainerCallback):
+        def __init__(self):
+            # a bar advanced by hand: one wrapped around the batches counts a step only when
+            # its next batch is drawn and redraws at most every 0.1 s, while set_postfix
+            # redraws every step with the count it last synced (the bar sat at 0/N)
+            self.bar = tqdm(total=cfg.steps, initial=start, desc=what, disable=not show,
+                            leave=False)
+            self.t0 = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            means = trainer.step_metrics[-1]
+            for key, value in means.items():
+                curves.setdefault(key, []).append(value)
+            curves["tokens_per_s"].append(cfg.batch * cfg.seqlen / (time.perf_counter() - self.t0))
+            if show:
+                step = state.global_step
+                self.bar.update(1)
+                self.bar.set_postfix(loss=f"{means['loss']:.4f}",
+                                     tok_s=f"{curves['tokens_per_s'][-1]:.0f}")
+                if cfg.log_every and (step % cfg.log_every == 0 or step == cfg.steps):
+                    extra = "".join(f"  {k} {means[k]:.4f}" for k in means if k != "loss")
+                    self.bar.write(f"[{what}] step {step}/{cfg.steps}  loss {means['loss']:.4f}"
+                                   f"{extra}  tokens/s {curves['tokens_per_s'][-1]:.0f}")
+
+        def on_save(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}",
+                                    RECORD)
+                with open(path, "w") as f:
+                    json.dump({"step": state.global_step, "config": asdict(cfg),
+                               "curves": curves}, f)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.bar.close()
+
+    return Steps()
+
+
+def read_checkpoint(cfg: TrainConfig, resume: str) -> dict:
+    """The record of a checkpoint ``resume`` written by a run of ``cfg``'s computation.
+
+    Returns:
+        ``{"step", "config", "curves"}``: the step it was written at, the configuration of
+        the run that wrote it and that run's curves up to that step.
+
+    Raises:
+        ValueError: not a checkpoint directory of ``ringattn train`` (no Trainer state or no
+            ``RECORD``), written with another configuration (a field other than
+            ``RESUMABLE``'s differs: named with both values), or at a step not before
+            ``cfg.steps``.
+    """
+    if not isinstance(resume, str) or not os.path.isdir(resume):
+        raise ValueError(f"resume={resume!r} is not a checkpoint directory")
+    path = os.path.join(resume, RECORD)
+    if not (os.path.isfile(path) and os.path.isfile(os.path.join(resume, "trainer_state.json"))):
+        raise ValueError(f"resume={resume!r} is not a checkpoint of ringattn train (it has no "
+                         f"trainer_state.json and {RECORD})")
+    with open(path) as f:
+        record = json.load(f)
+    then, now = record["config"], asdict(cfg)
+    differ = [f"{k}={then.get(k)!r} (now {now[k]!r})" for k in now
+              if k not in RESUMABLE and then.get(k) != now[k]]
+    if differ:
+        raise ValueError(f"resume={resume!r} was written with another configuration: "
+                         f"{', '.join(differ)}")
+    if record["step"] >= cfg.steps:
+        raise ValueError(f"resume={resume!r} is at step {record['step']}, not before the last "
+                         f"of steps={cfg.steps}: nothing to train")
+    return record
+
+
 def train(cfg: TrainConfig, *, group=None, attn_implementation: str | None = None,
-          progress: bool = True, out_dir: str | None = None) -> dict:
-    """Train the model; with a group, under context parallelism (every rank of it calls this).
+          progress: bool = True, out_dir: str | None = None, resume: str | None = None) -> dict:
+    """Train the model with transformers' ``Trainer``; with a group, ``RingTrainer`` under
+    context parallelism (every rank of the group calls this).
 
     Arguments:
         cfg: the configuration.
-        group: the context-parallel group (ProcessGroup, 1-D DeviceMesh); None trains in
-            this process alone on whole sequences.
+        group: the context-parallel group, the whole world (ProcessGroup, 1-D DeviceMesh):
+            ``RingTrainer`` trains over every rank; None trains in this process alone on
+            whole sequences with a plain ``Trainer``.
         attn_implementation: with a group "ringattn" (the default; the only choice); without
             one "sdpa" (default) or "eager".
         progress: progress bar and log lines (on rank 0 only).
-        out_dir: rank 0 writes ``train.json`` and ``loss.png`` there (None: nothing).
+        out_dir: rank 0 writes ``train.json`` and ``loss.png`` there, and the Trainer its
+            checkpoints (``cfg.save_steps``); None: nothing (checkpoints are refused).
+        resume: a checkpoint of this configuration (``read_checkpoint``) to continue from:
+            the weights, optimizer, schedule and data position of its step; the curves of
+            the steps before it are the checkpoint's.
 
     Returns:
         dict, the same on every rank except ``rank``: ``config``, ``world``, ``attn``,
-        per-step lists ``loss``, ``accuracy`` (global means over all target tokens),
-        ``copy_loss``/``copy_accuracy`` (copy task), ``tokens_per_s`` (the B * S global
-        tokens of a step over its wall time); ``seconds``, ``tokens_per_s_mean`` (harmonic
-        mean after the first step, which builds the ring's plans), per-rank lists ``rss_start_mib``
-        (before the first step) and ``peak_rss_mib`` (high water of the whole process).
+        ``model`` (the class and parameter count), per-step lists ``loss``, ``accuracy``
+        (global means over all target tokens), ``copy_loss``/``copy_accuracy`` (copy task),
+        ``tokens_per_s`` (the B * S global tokens of a step over its wall time);
+        ``resumed_at`` (the checkpoint's step, 0 without ``resume``), ``seconds`` (of this
+        run's steps), ``tokens_per_s_mean`` (harmonic mean after the first step, which
+        builds the ring's plans), per-rank lists ``rss_start_mib`` (before the first step)
+        and ``peak_rss_mib`` (high water of the whole process).
 
     Raises:
-        ValueError: a bad attn_implementation, or a group that is not initialized.
+        ValueError: a bad attn_implementation, a group that is not initialized or not the
+            whole world, checkpoints without ``out_dir``, a ``resume`` ``read_checkpoint``
+            refuses; ``RingTrainer``'s refusals.
         RuntimeError: parameter replicas that differ at the end (gradients not in sync).
     """
-    from tqdm import tqdm
+    from transformers import PrinterCallback, TrainingArguments
+    from transformers.utils import logging as hf_logging
 
     cp = group is not None
     attn = attn_implementation or (ra_hf.NAME if cp else SINGLE_ATTN[0])
@@ -338,79 +596,82 @@ def train(cfg: TrainConfig, *, group=None, attn_implementation: str | None = Non
     if not cp and attn not in SINGLE_ATTN:
         raise ValueError(f"without a group, attn_implementation must be one of {SINGLE_ATTN}, "
                          f"got {attn!r}")
+    if cfg.save_steps and out_dir is None:
+        raise ValueError(f"save_steps={cfg.save_steps} needs an out_dir for the checkpoints")
+    record = read_checkpoint(cfg, resume) if resume is not None else None
     pg = resolve_group(group) if cp else None
     rank, world = (dist.get_rank(pg), dist.get_world_size(pg)) if cp else (0, 1)
+    if cp:
+        if world != dist.get_world_size():
+            raise ValueError(f"group must hold every rank (RingTrainer trains over the whole "
+                             f"world of {dist.get_world_size()}), got a group of {world}")
+        _distributed_env(rank, world)
     model = build_model(cfg, attn)
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, partial(lr_factor, steps=cfg.steps))
-    attn_group = hybrid_mesh(pg, cfg.ulysses) if cp and cfg.strategy == "hybrid" else pg
-    pos_L = positions(cfg.seqlen, group=pg, layout=cfg.layout) if cp else torch.arange(cfg.seqlen)
-    show = progress and rank == 0
-    what = f"ring attention, W={world}" if cp else f"one process ({attn})"
-    # a bar advanced by hand: one wrapped around the batches counts a step only when its
-    # next batch is drawn and redraws at most every 0.1 s, while set_postfix redraws every
-    # step with the count it last synced (the bar sat at 0/N on fast steps)
-    bar = tqdm(total=cfg.steps, desc=what, disable=not show, leave=False)
+    start = record["step"] if record else 0
     curves: dict[str, list[float]] = {"loss": [], "accuracy": [], "tokens_per_s": []}
-    rss_start = _rss_mib()
-    t_start = time.perf_counter()
-    for step, ids_BS in enumerate(make_batches(cfg), start=1):
-        t0 = time.perf_counter()
-        batch = {"input_ids": ids_BS, "labels": ids_BS}
-        if cp:  # shard_batch shifts the labels on the global sequence and counts them globally
-            local = shard_batch(batch, group=attn_group, layout=cfg.layout, strategy=cfg.strategy)
-            targets_BL = local["shift_labels"]
-        else:
-            local = batch
-            targets_BL = F.pad(ids_BS[:, 1:], (0, 1), value=IGNORE)
-        out = model(**local, use_cache=False)
-        if cp:
-            local["ring_context"].check_consumed(model)
-        opt.zero_grad(set_to_none=False)
-        out.loss.backward()
-        if cp:  # each rank's loss is its share of the global mean: sum the gradients
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.all_reduce(flat, group=pg)
-            offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset: offset + p.numel()].view_as(p))
-                offset += p.numel()
-        opt.step()
-        sched.step()
-        with torch.no_grad():
-            stats = _token_stats(out.logits.detach(), targets_BL, pos_L, cfg)
-        if cp:
-            means = all_reduce_metrics(stats, pg)
-        else:
-            means = {k: float(s) / float(n) if n else float("nan") for k, (s, n) in stats.items()}
-        for key, value in means.items():
-            curves.setdefault(key, []).append(value)
-        curves["tokens_per_s"].append(cfg.batch * cfg.seqlen / (time.perf_counter() - t0))
-        if show:
-            bar.update(1)
-            bar.set_postfix(loss=f"{means['loss']:.4f}",
-                            tok_s=f"{curves['tokens_per_s'][-1]:.0f}")
-            if cfg.log_every and (step % cfg.log_every == 0 or step == cfg.steps):
-                extra = "".join(f"  {k} {means[k]:.4f}" for k in means if k != "loss")
-                bar.write(f"[{what}] step {step}/{cfg.steps}  loss {means['loss']:.4f}{extra}"
-                          f"  tokens/s {curves['tokens_per_s'][-1]:.0f}")
-    bar.close()
-    seconds = time.perf_counter() - t_start
+    if record:
+        curves = {k: list(v) for k, v in record["curves"].items()}
+    what = f"ring attention, W={world}" if cp else f"one process ({attn})"
+    ring_cls, one_cls = _trainer_classes()
+    # Trainer seeds the global RNG (and a resumed one restores a checkpoint's): the caller's
+    # is left as it was
+    with tempfile.TemporaryDirectory(prefix="ringattn-train-") as scratch, \
+            torch.random.fork_rng(devices=[]):
+        targs = TrainingArguments(
+            output_dir=out_dir if out_dir is not None else scratch, use_cpu=True,
+            per_device_train_batch_size=cfg.batch, max_steps=cfg.steps, seed=cfg.seed,
+            train_sampling_strategy="sequential", max_grad_norm=0.0,  # no clipping
+            logging_strategy="no", report_to=[], disable_tqdm=True,
+            save_strategy="steps" if cfg.save_steps else "no", save_steps=cfg.save_steps or 1,
+            dataloader_pin_memory=False,
+            # every parameter of the built-in model has a gradient (DDP then skips a search
+            # for unused ones); a user's model keeps Trainer's default
+            ddp_find_unused_parameters=False if cfg.model is None else None,
+            **({"ddp_backend": "gloo"} if cp else {}))
+        kw = dict(model=model, args=targs, train_dataset=_Rows(cfg), optimizers=(opt, sched),
+                  lm_cfg=cfg)
+        trainer = (ring_cls(**kw, layout=cfg.layout, strategy=cfg.strategy,
+                            ulysses_size=cfg.ulysses) if cp else one_cls(**kw))
+        trainer.remove_callback(PrinterCallback)  # it prints Trainer's summary dict
+        trainer.add_callback(_steps_callback(cfg, trainer, curves, what=what,
+                                             show=progress and rank == 0, start=start))
+        rss_start = _rss_mib()
+        t_start = time.perf_counter()
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # "Writing model shards" at every checkpoint
+        try:
+            trainer.train(resume_from_checkpoint=resume)
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
+        seconds = time.perf_counter() - t_start
+    params = list(model.parameters())
     rss = torch.zeros(2, world, dtype=torch.float64)
     rss[:, rank] = torch.tensor([rss_start or float("nan"), peak_rss_mib()])
     if cp:
         _check_replicas(params, pg, rank)
         dist.all_reduce(rss, group=pg)
-    tail = curves["tokens_per_s"][1:] or curves["tokens_per_s"]
+    tail = curves["tokens_per_s"][start + 1:] or curves["tokens_per_s"][start:]
     result = {
-        "config": asdict(cfg), "world": world, "attn": attn, "rank": rank, **curves,
+        "config": asdict(cfg), "world": world, "attn": attn, "rank": rank,
+        "model": {"class": type(model).__name__, "parameters": sum(p.numel() for p in params)},
+        **curves, "resumed_at": start,
         "seconds": seconds, "tokens_per_s_mean": len(tail) / sum(1 / t for t in tail),
         "rss_start_mib": rss[0].tolist(), "peak_rss_mib": rss[1].tolist(),
     }
     if out_dir is not None and rank == 0:
         write_outputs(result, out_dir)
     return result
+
+
+def _distributed_env(rank: int, world: int) -> None:
+    """Tell accelerate (which reads the environment) about ranks started without torchrun
+    (``spawn``): it then finds the initialised group and trains with DDP over it."""
+    for key, value in (("RANK", rank), ("WORLD_SIZE", world), ("LOCAL_RANK", rank),
+                       ("LOCAL_WORLD_SIZE", world), ("OMP_NUM_THREADS", torch.get_num_threads())):
+        os.environ.setdefault(key, str(value))
 
 
 def _check_replicas(params, pg, rank: int) -> None:
@@ -495,7 +756,7 @@ def write_outputs(result: dict, out_dir: str) -> None:
     how = f"ring attention W={result['world']}" if result["attn"] == ra_hf.NAME else result["attn"]
     data = "copy task" if cfg["data"] is None else os.path.basename(cfg["data"])
     plot_curves(os.path.join(out_dir, "loss.png"), curves,
-                title=f"LlamaForCausalLM, {data}, S={cfg['seqlen']}, {how}")
+                title=f"{result['model']['class']}, {data}, S={cfg['seqlen']}, {how}")
 
 
 # ----------------------------------------------------------------------------- processes
@@ -567,12 +828,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "process, no CP (default ringattn)")
     parser.add_argument("--data", default=None,
                         help="text file trained on as bytes (default: the synthetic copy task)")
+    parser.add_argument("--model", default=None,
+                        help="your causal LM: a local directory saved by save_pretrained "
+                        "(loaded with its weights), or a config (a config.json, or a directory "
+                        "with only one: random weights from --seed); default: the built-in "
+                        "tiny Llama sized by --hidden ... --init-std")
     for name, kind in (("steps", int), ("seqlen", int), ("batch", int), ("copy_vocab", int),
                        ("hidden", int), ("intermediate", int), ("heads", int),
                        ("kv_heads", int), ("layers", int), ("lr", float), ("init_std", float),
-                       ("seed", int), ("log_every", int)):
+                       ("seed", int), ("log_every", int), ("save_steps", int)):
+        what = {"save_steps": "write a checkpoint to --out every this many steps and at "
+                "the last (0: none); "}.get(name, "")
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind,
-                            default=getattr(d, name), help=f"(default {getattr(d, name)})")
+                            default=getattr(d, name), help=f"{what}(default {getattr(d, name)})")
+    parser.add_argument("--resume", default=None, metavar="CHECKPOINT",
+                        help="continue from a checkpoint of a run with the same options "
+                        "(--layout, --strategy, --ulysses, --log-every, --save-steps may "
+                        "differ): the losses go on as if the run had not stopped")
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default=d.layout,
                         help=f"token placement on the ranks (default {d.layout})")
     parser.add_argument("--strategy", choices=STRATEGY_CHOICES, default=d.strategy,
@@ -581,7 +853,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"with --strategy hybrid only: ranks of the Ulysses dimension, a "
                              f"divisor of the world (default {d.ulysses})")
     parser.add_argument("--out", default="train_out",
-                        help="output directory for train.json and loss.png (default train_out/)")
+                        help="output directory for train.json, loss.png and the checkpoints "
+                        "(default train_out/)")
     parser.add_argument("--no-progress", dest="progress", action="store_false",
                         help="no progress bar or log lines")
 
@@ -590,24 +863,29 @@ def run_from_args(args: argparse.Namespace) -> dict:
     """Train as the parsed arguments say: under torchrun, spawned ranks, or one process.
 
     Under torchrun (``WORLD_SIZE`` in the environment) every process joins the default gloo
-    group from the environment and trains its shard; otherwise ``--attn ringattn`` spawns
-    ``--world`` ranks and ``--attn sdpa|eager`` trains here alone.
+    group from the environment and trains its shard with ``RingTrainer``; otherwise
+    ``--attn ringattn`` spawns ``--world`` ranks and ``--attn sdpa|eager`` trains here alone
+    with a plain ``Trainer``. ``--resume`` continues a checkpoint on any of them.
 
     Returns:
         the result of ``train`` (rank 0's when ranks were spawned).
 
     Raises:
-        ValueError: a bad option, naming it, before any rank starts or joins the group.
+        ValueError: a bad option, naming it, before any rank starts or joins the group
+            (``TrainConfig``'s checks, ``check_world``, ``read_checkpoint``).
     """
-    fields = ("steps", "seqlen", "batch", "layout", "strategy", "data", "copy_vocab", "hidden",
-              "intermediate", "heads", "kv_heads", "layers", "lr", "init_std", "seed",
-              "log_every")
+    fields = ("steps", "seqlen", "batch", "layout", "strategy", "data", "model", "copy_vocab",
+              "hidden", "intermediate", "heads", "kv_heads", "layers", "lr", "init_std", "seed",
+              "log_every", "save_steps")
     ulysses = getattr(args, "ulysses", None)
     if ulysses is not None and args.strategy != "hybrid":
         raise ValueError(f"--ulysses applies only with --strategy hybrid, got --strategy "
                          f"{args.strategy}")
     cfg = TrainConfig(**{k: getattr(args, k) for k in fields},
                       **({} if ulysses is None else {"ulysses": ulysses}))
+    resume = getattr(args, "resume", None)
+    if resume is not None:
+        read_checkpoint(cfg, resume)
     torchrun = "WORLD_SIZE" in os.environ  # torchrun: RANK, WORLD_SIZE, MASTER_ADDR/PORT
     if torchrun or args.attn == ra_hf.NAME:
         cfg.check_world(int(os.environ["WORLD_SIZE"]) if torchrun else args.world)
@@ -616,14 +894,17 @@ def run_from_args(args: argparse.Namespace) -> dict:
             raise ValueError(f"under torchrun --attn must be {ra_hf.NAME!r}, got {args.attn!r}")
         dist.init_process_group("gloo")
         try:
-            result = train(cfg, group=dist.group.WORLD, progress=args.progress, out_dir=args.out)
+            result = train(cfg, group=dist.group.WORLD, progress=args.progress, out_dir=args.out,
+                           resume=resume)
             leave_together()
             return result
         finally:
             dist.destroy_process_group()
     if args.attn == ra_hf.NAME:
-        return spawn(cfg, world=args.world, progress=args.progress, out_dir=args.out)
-    return train(cfg, attn_implementation=args.attn, progress=args.progress, out_dir=args.out)
+        return spawn(cfg, world=args.world, progress=args.progress, out_dir=args.out,
+                     fn=None if resume is None else partial(train, resume=resume))
+    return train(cfg, attn_implementation=args.attn, progress=args.progress, out_dir=args.out,
+                 resume=resume)
 
 
 def run_and_report(args: argparse.Namespace) -> dict:
@@ -641,7 +922,9 @@ def run_and_report(args: argparse.Namespace) -> dict:
         print(f"final loss {result['loss'][-1]:.4f} after {len(result['loss'])} steps, "
               f"{result['tokens_per_s_mean']:.0f} tokens/s, peak RSS per rank (MiB) "
               f"{[round(m) for m in result['peak_rss_mib']]}; wrote "
-              f"{os.path.join(args.out, 'train.json')} and loss.png")
+              f"{os.path.join(args.out, 'train.json')} and loss.png"
+              + (f", checkpoints {os.path.join(args.out, 'checkpoint-<step>')}"
+                 if result["config"]["save_steps"] else ""))
     return result
 
 
