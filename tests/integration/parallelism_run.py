@@ -12,13 +12,14 @@ DTensors gathered with ``full_tensor``), as soon as the case ends.
 Cases (``--cases``, comma separated; the world size must be the case's D x C):
 
 * ``dp2_cp2``: D=2, C=2 (W=4), 2 rows per replica, three SGD steps (into the second
-  epoch), then ``evaluate`` and ``save_model``.
+  epoch; a ``save_only_model`` checkpoint at step 3), then ``evaluate`` and
+  ``save_model``.
 * ``dp2_cp2_accum``: the same with gradient accumulation 2 (3 steps of 8 rows: the
   reduce-scatter waits for the second micro-batch) and gradient clipping at 1.0.
 * ``cp3``: D=1, C=3 (W=3), 2 rows: ``evaluate``, four steps clipped at 1.0, ``evaluate``
   and ``predict`` (5 rows; the logits in the ``.pt``).
 * ``refusals4`` (W=4, not ``--ref``): the ValueError of each configuration RingTrainer
-  refuses, or None.
+  refuses, or None (and of two it accepts).
 
 Rows: trainer_run.py's (S=37, not a multiple of 2C; odd rows right-padded; prompts
 unlabelled).
@@ -37,7 +38,7 @@ from models import tiny_causal_lm  # noqa: E402
 from trainer_run import Rows, logged  # noqa: E402
 
 CASES = {  # name: (dp_shard_size, cp_size, steps, TrainingArguments overrides)
-    "dp2_cp2": (2, 2, 3, {}),
+    "dp2_cp2": (2, 2, 3, dict(save_strategy="steps", save_steps=3, save_only_model=True)),
     "dp2_cp2_accum": (2, 2, 3, dict(gradient_accumulation_steps=2, max_grad_norm=1.0)),
     "cp3": (1, 3, 4, dict(max_grad_norm=1.0)),
 }
@@ -136,6 +137,10 @@ def refusals4(ref, out):
         "cp_conflict": error(ParallelismConfig(dp_shard_size=2, cp_size=2), cp_size=4),
         "total": error(ParallelismConfig(cp_size=2)),
         "save": error(ParallelismConfig(dp_shard_size=2, cp_size=2), save_strategy="steps"),
+        # accepted: the same cp_size both ways, checkpoints of the weights only
+        "cp_same": error(ParallelismConfig(dp_shard_size=2, cp_size=2), cp_size=2),
+        "save_only_model": error(ParallelismConfig(dp_shard_size=2, cp_size=2),
+                                 save_strategy="steps", save_only_model=True),
     }, None
 
 

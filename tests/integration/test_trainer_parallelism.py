@@ -121,15 +121,17 @@ def _check_case(runs, worst_errors, case, mesh, steps):
 @pytest.mark.timeout(LIMIT_S + 60)
 def test_dp_shard_2_x_cp_2_trains_like_one_process(runs, worst_errors):
     """D=2 x C=2 on 4 ranks, 2 rows per replica, three steps: one process reading 4 rows;
-    ``save_model`` writes the one-process weights."""
+    ``save_model`` and the ``save_only_model`` checkpoint of step 3 hold the one-process
+    weights."""
     from safetensors.torch import load_file
 
     weights = _check_case(runs, worst_errors, "dp2_cp2", ["dp_shard", "cp"], 3)
     out, _ = runs
-    saved = load_file(out / "w4" / "dp2_cp2" / "saved" / "model.safetensors")
-    assert saved.keys() == weights.keys()
-    for name, w in weights.items():
-        assert _rel(saved[name], w) <= TOL, name
+    for saved in ("saved", "checkpoint-3"):
+        state = load_file(out / "w4" / "dp2_cp2" / saved / "model.safetensors")
+        assert state.keys() == weights.keys(), saved
+        for name, w in weights.items():
+            assert _rel(state[name], w) <= TOL, (saved, name)
 
 
 @pytest.mark.timeout(LIMIT_S + 60)
@@ -150,7 +152,8 @@ def test_cp_3_trains_like_one_process(runs, worst_errors):
 def test_unsupported_parallelism_configs_are_refused_on_every_rank(runs):
     """tp, dp_replicate (and cp_size 1), a cp_size argument that contradicts the config, a
     config smaller than the world, checkpoints with the sharded optimizer state: each a
-    ValueError naming the values, on every rank."""
+    ValueError naming the values, on every rank (the same cp_size both ways, and
+    save_only_model checkpoints, are accepted)."""
     for rank in range(4):
         got, _ = _load(runs, "w4", "refusals4", rank)
         assert "tp_size=2 (RingTrainer supports 1)" in (got["tp"] or ""), got
@@ -160,3 +163,5 @@ def test_unsupported_parallelism_configs_are_refused_on_every_rank(runs):
             got["cp_conflict"] or ""), got
         assert "total size 2 is not the world size 4" in (got["total"] or ""), got
         assert "save_strategy='steps' without save_only_model=True" in (got["save"] or ""), got
+        # accepted: RingTrainer(cp_size=2) with the config's cp_size 2; weights-only saves
+        assert got["cp_same"] is None and got["save_only_model"] is None, got
