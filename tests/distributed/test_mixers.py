@@ -267,15 +267,47 @@ def refusals():
     said["weight"] = _raises(lambda: mixers.causal_conv1d(
         x, w[:2] if rank == 0 else w, layout="contiguous", seqlen=s))
     said["length"] = _raises(lambda: mixers.causal_conv1d(x, w, layout="zigzag", seqlen=s + 5))
+    # a shard made with another layout than the call's
+    tagged = ra.shard(torch.randn(1, s, 3, dtype=torch.float64), layout="zigzag")
+    said["tag"] = _raises(lambda: mixers.causal_conv1d(tagged, w, layout="contiguous"))
+    # gradients wanted on one rank only: its backward would wait for the others'
+    said["grad"] = _raises(lambda: mixers.diagonal_recurrence(
+        a, x.clone().requires_grad_(rank == 0), layout="contiguous", seqlen=s))
     # and the group still works after all of them
     ok = mixers.diagonal_recurrence(a, x, layout="contiguous", seqlen=s)
-    return said, tuple(ok.shape)
+    return said, tuple(ok.shape), parameters_only()
+
+
+def parameters_only():
+    """Only Mamba2's A, D and dt_bias want gradients and one rank holds no real token (S=1):
+    every rank still reaches the backward's collective, and the ranks' shares sum to the
+    one-process gradients."""
+    g = torch.Generator().manual_seed(5)
+    x, bm, cm = (torch.randn(1, 1, 2, 2, generator=g, dtype=torch.float64) for _ in range(3))
+    dt = torch.randn(1, 1, 2, generator=g, dtype=torch.float64)
+    par = [torch.randn(2, generator=g, dtype=torch.float64) for _ in range(3)]
+    mine = [p.clone().requires_grad_() for p in par]
+    kw = dict(layout="zigzag", seqlen=1)
+    out = mixers.mamba2_ssd(*(ra.shard(t, **kw) for t in (x, dt)), mine[0],
+                            *(ra.shard(t, **kw) for t in (bm, cm)), D=mine[1], dt_bias=mine[2],
+                            dt_softplus=True, **kw)
+    ra.unshard(out, **kw).square().sum().backward()
+    got = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in mine]
+    for t in got:  # (the rank without tokens has no share: None)
+        dist.all_reduce(t)
+    ref = [p.clone().requires_grad_() for p in par]
+    ref_ssd(x, dt, ref[0], bm, cm, ref[1], ref[2], None).square().sum().backward()
+    return max(_err(a, torch.zeros_like(b) if b.grad is None else b.grad)  # None: A unused at S=1
+               for a, b in zip(got, ref))
 
 
 @pytest.mark.timeout(120)
 def test_refusals_on_every_rank(clusters):
-    for rank, (said, shape) in enumerate(clusters(2).run(refusals, timeout=90)):
+    for rank, (said, shape, err) in enumerate(clusters(2).run(refusals, timeout=90)):
         assert shape == (1, 4, 3), rank
+        assert err < 1e-12, (rank, err)
+        assert said["tag"][0] == "ValueError" and "sharded with layout 'zigzag'" in said["tag"][1], said
+        assert said["grad"][0] == "ValueError" and "disagree on needs_grad" in said["grad"][1], said
         for key in ("striped", "striped_rec"):
             assert said[key][0] == "ValueError" and "'striped'" in said[key][1], (rank, said[key])
         assert said["seqlen"][0] == "ValueError" and "disagree on seqlen" in said["seqlen"][1], said
