@@ -98,13 +98,15 @@ with FSDP2 on CPU processes. So:
 
 Tested (tests/integration/test_trainer_parallelism.py, gloo CPU ranks, fp32): D=2 x C=2 on
 4 ranks (also with gradient accumulation 2 and clipping) and C=3 on 3 ranks, S=37 (not a
-multiple of 2C), padded rows: every logged loss and gradient norm, train_loss, eval loss,
-every parameter's gradient at every optimizer step (gathered with ``full_tensor``), the
-weights after training and those ``save_model`` wrote equal a one-process ``Trainer``
-reading the D replicas' rows, within 1e-5 relative (measured: 3.1e-6 at worst, a gradient);
-test_trainer.py runs ``ParallelismConfig(cp_size=2)`` on 2 ranks. The same code builds an
-nccl mesh on GPUs, untested here; bf16 under FSDP2 is untested. FSDP2 over a dp x cp mesh
-with ring attention, without Trainer: tests/integration/test_fsdp_cp.py.
+multiple of 2C), padded rows: every logged loss and gradient norm, train_loss, eval loss
+(also before training), ``predict``'s logits, every parameter's gradient at every optimizer
+step (gathered with ``full_tensor``), the weights after training and those ``save_model``
+and a ``save_only_model`` checkpoint wrote equal a one-process ``Trainer`` reading the D
+replicas' rows, within 1e-5 relative (measured: 3.1e-6 at worst, a gradient);
+test_trainer.py runs ``ParallelismConfig(cp_size=2)`` on 2 ranks. Not tested: GPUs (the
+same code builds an nccl mesh), bf16 under FSDP2, strategies other than "ring" with a
+``parallelism_config``. FSDP2 over a dp x cp mesh with ring attention, without Trainer:
+tests/integration/test_fsdp_cp.py.
 """
 
 from __future__ import annotations
