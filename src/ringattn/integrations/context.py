@@ -42,7 +42,8 @@ Refused, with a ValueError or TypeError on every rank: a model whose attention i
 attention (``check_attention``) or that ``check_model`` refuses (on entry); entering twice
 on the same model (also through a wrapper and the model it wraps); positional arguments; a
 per-token tensor argument it does not know (``inputs_embeds``, ...; name extra ones in
-``extra_keys``); a batch that differs between ranks; ``return_dict=False``; a KV cache
+``extra_keys``); a batch that differs between ranks; ``return_dict=False``;
+``logits_to_keep`` (it would keep the last logits of each shard); a KV cache
 (``past_key_values``, ``use_cache=True``): ``model.generate`` runs decoding steps that
 cannot be sharded, so it is refused under the manager (generate outside it, with a
 non-ring attention implementation). Without labels the forward runs sharded and
