@@ -144,6 +144,28 @@ def test_trl_trainer_logs_and_gradients_equal_one_process(runs, worst_errors, ca
         if case == "sft_padded":  # the user's subclass's log ran (one process logs it too)
             assert sum("loss_bits" in h for h in logs) == 3, logs
         compare_grads(worst_errors, case, grads, want_grads, where)
+    out, _ = runs
+    lengths = json.loads((out / f"cp{world}" / f"{case}.0.lengths.json").read_text())
+    assert any(s % (2 * world) for s in lengths), (case, world, lengths)  # uneven shards
+
+
+@pytest.mark.timeout(3 * TIMEOUT)
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", ("sft_packed", "sft_padded", "dpo"))
+def test_predict_returns_the_whole_sequences_logits(runs, worst_errors, case, world):
+    """``predict`` after training: every rank returns the one-process loss and the logits
+    of the whole sequences ([rows, S, V]; DPO: chosen then rejected rows)."""
+    out, _ = runs
+    want = torch.load(out / "ref" / f"{case}.0.predict.pt")
+    assert want["logits"].dim() == 3 and want["logits"].shape[-1] == 97
+    for rank in range(world):
+        got = torch.load(out / f"cp{world}" / f"{case}.{rank}.predict.pt")
+        assert got["logits"].shape == want["logits"].shape, (rank, got["logits"].shape)
+        err = float((got["logits"] - want["logits"]).norm() / want["logits"].norm())
+        loss_err = abs(got["loss"] - want["loss"]) / abs(want["loss"])
+        _record(worst_errors, ("TRL", "predict logits"), err, TOL)
+        _record(worst_errors, ("TRL", "predict loss"), loss_err, TOL)
+        assert err <= TOL and loss_err <= TOL, (case, world, rank, err, loss_err)
 
 
 @pytest.mark.timeout(3 * TIMEOUT)

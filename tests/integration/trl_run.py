@@ -3,19 +3,22 @@
 ``RingDPOTrainer`` under torchrun, every case in one launch.
 
 Every process writes ``<out>/<case>.<rank>.json`` (the log history: losses, gradient norms,
-TRL's metrics, the eval metrics) and ``<out>/<case>.<rank>.pt`` (every parameter's
-gradient at every optimizer step, read before the step), as soon as the case ends.
+TRL's metrics, the eval metrics), ``<out>/<case>.<rank>.pt`` (every parameter's gradient
+at every optimizer step, read before the step), ``<case>.<rank>.lengths.json`` (the S of
+each training batch) and ``<case>.<rank>.predict.pt`` (``predict``'s logits and loss on the
+eval set), as soon as the case ends.
 
 Cases:
 
 * ``sft_packed``: prompt/completion pairs (completion-only loss), ``packing=True`` (bfd:
   padding-free rows, position ids restarting per document), gradient accumulation 2,
-  three steps, then ``evaluate``.
-* ``sft_padded``: plain text rows of different lengths (padded), three steps, ``evaluate``;
+  three steps, then ``evaluate`` and ``predict``.
+* ``sft_padded``: plain text rows of different lengths (padded), three steps, ``evaluate``,
+  ``predict``;
   through a user's subclass of SFTTrainer (``RingUserSFT(RingSFTTrainer, UserSFT)``), whose
   ``log`` adds ``loss_bits``.
 * ``dpo``: prompt/chosen/rejected of different lengths (chosen and rejected padded to one
-  S), sigmoid loss, three steps, ``evaluate``.
+  S), sigmoid loss, three steps, ``evaluate``, ``predict``.
 * ``dpo_mix``: DPO with ``loss_type=["ipo", "sft"]`` and ``ld_alpha``, gradient
   accumulation 2, three steps.
 * ``refusals`` (CP only): the errors of the refused options.
@@ -141,7 +144,7 @@ def sft(ref, out, train, evald, user=False, **overrides):
     trainer = one(**kw) if ref else ring(**kw, layout="zigzag")
     trainer.train()
     trainer.evaluate()
-    return trainer, grads
+    return trainer, grads, trainer.predict(trainer.eval_dataset)
 
 
 def dpo(ref, out, train, evald, **overrides):
@@ -157,9 +160,10 @@ def dpo(ref, out, train, evald, **overrides):
               processing_class=tokenizer(), callbacks=[grads.callback])
     trainer = DPOTrainer(**kw) if ref else RingDPOTrainer(**kw, layout="zigzag")
     trainer.train()
-    if evald is not None:
-        trainer.evaluate()
-    return trainer, grads
+    if evald is None:
+        return trainer, grads, None
+    trainer.evaluate()
+    return trainer, grads, trainer.predict(trainer.eval_dataset)
 
 
 def sft_packed(ref, out):
@@ -305,8 +309,16 @@ def main():
         if isinstance(res, dict):
             (args.out / f"{name}.{rank}.json").write_text(json.dumps(res))
             continue
-        trainer, grads = res
+        trainer, grads, pred = res
         torch.save(grads.steps, args.out / f"{name}.{rank}.pt")
+        # the sequence lengths S of the training batches (after training: the loader is
+        # made anew), and predict's logits and loss
+        lengths = [b["input_ids"].shape[1] for b in trainer.get_train_dataloader()]
+        (args.out / f"{name}.{rank}.lengths.json").write_text(json.dumps(lengths))
+        if pred is not None:
+            torch.save({"logits": torch.as_tensor(pred.predictions),
+                        "loss": pred.metrics["test_loss"]},
+                       args.out / f"{name}.{rank}.predict.pt")
         (args.out / f"{name}.{rank}.json").write_text(json.dumps(trainer.state.log_history))
     if not args.ref:  # leave together: a rank tearing gloo down early can abort the other
         import torch.distributed as dist
