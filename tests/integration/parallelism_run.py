@@ -141,6 +141,8 @@ def refusals4(ref, out):
         "cp_same": error(ParallelismConfig(dp_shard_size=2, cp_size=2), cp_size=2),
         "save_only_model": error(ParallelismConfig(dp_shard_size=2, cp_size=2),
                                  save_strategy="steps", save_only_model=True),
+        # last: TrainingArguments(fsdp=...) sets ACCELERATE_USE_FSDP in this process
+        "fsdp": error(ParallelismConfig(dp_shard_size=2, cp_size=2), fsdp="full_shard"),
     }, None
 
 

@@ -151,7 +151,8 @@ def test_cp_3_trains_like_one_process(runs, worst_errors):
 @pytest.mark.timeout(LIMIT_S + 60)
 def test_unsupported_parallelism_configs_are_refused_on_every_rank(runs):
     """tp, dp_replicate (and cp_size 1), a cp_size argument that contradicts the config, a
-    config smaller than the world, checkpoints with the sharded optimizer state: each a
+    config smaller than the world, checkpoints with the sharded optimizer state,
+    TrainingArguments(fsdp=...) besides the config: each a
     ValueError naming the values, on every rank (the same cp_size both ways, and
     save_only_model checkpoints, are accepted)."""
     for rank in range(4):
@@ -163,5 +164,6 @@ def test_unsupported_parallelism_configs_are_refused_on_every_rank(runs):
             got["cp_conflict"] or ""), got
         assert "total size 2 is not the world size 4" in (got["total"] or ""), got
         assert "save_strategy='steps' without save_only_model=True" in (got["save"] or ""), got
+        assert "TrainingArguments(fsdp=" in (got["fsdp"] or ""), got
         # accepted: RingTrainer(cp_size=2) with the config's cp_size 2; weights-only saves
         assert got["cp_same"] is None and got["save_only_model"] is None, got

@@ -187,7 +187,7 @@ class RingTrainerMixin:
                              f"{self.args.train_sampling_strategy!r}")
         pc = self.args.parallelism_config
         if _ring_owns(pc):
-            _check_parallelism(pc, cp_size, self.args)
+            _check_parallelism(pc, cp_size, self.args, self.is_fsdp_enabled)
         check_attention(self.model)
         check_model(self.model)
         _check_ranks_are_processes(self.accelerator, self.args)
@@ -465,13 +465,15 @@ def _ring_owns(pc) -> bool:
     return pc is not None and pc.total_size > 1
 
 
-def _check_parallelism(pc, cp_size, args) -> None:
+def _check_parallelism(pc, cp_size, args, fsdp_enabled) -> None:
     """Refuse a ``ParallelismConfig`` RingTrainer does not run: it runs dp_shard x cp.
 
     Raises:
         ValueError: tp_size, sp_size or dp_replicate_size above 1; cp_size 1; a ``cp_size``
             argument that differs from the config's; a total size other than the world
-            size; ``TrainingArguments(fsdp=...)`` as well.
+            size; ``TrainingArguments(fsdp=...)`` or accelerate's FSDP (``fsdp_enabled``:
+            an FSDP plugin, ``ACCELERATE_USE_FSDP``; accelerate enables it only on
+            accelerators) as well; checkpoints with the sharded optimizer state.
     """
     sizes = (f"dp_replicate_size={pc.dp_replicate_size}, dp_shard_size={pc.dp_shard_size}, "
              f"cp_size={pc.cp_size}, tp_size={pc.tp_size}, sp_size={pc.sp_size}")
@@ -487,9 +489,10 @@ def _check_parallelism(pc, cp_size, args) -> None:
                            f"cp_size={pc.cp_size} (give one)")
     if pc.total_size != world:
         unsupported.append(f"total size {pc.total_size} is not the world size {world}")
-    if args.fsdp:
-        unsupported.append(f"TrainingArguments(fsdp={args.fsdp!r}) as well (RingTrainer shards "
-                           "the parameters with FSDP2 over dp_shard x cp itself)")
+    if args.fsdp or fsdp_enabled:
+        what = f"TrainingArguments(fsdp={args.fsdp!r})" if args.fsdp else "accelerate's FSDP"
+        unsupported.append(f"{what} as well (RingTrainer shards the parameters with FSDP2 "
+                           "over dp_shard x cp itself)")
     if args.save_strategy != "no" and not args.save_only_model:
         unsupported.append(f"save_strategy={args.save_strategy.value!r} without "
                            "save_only_model=True (the optimizer state is sharded; checkpoints "
