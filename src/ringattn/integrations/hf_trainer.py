@@ -94,7 +94,8 @@ with FSDP2 on CPU processes. So:
   optimizer state is sharded and Trainer would save rank 0's shard only.
 * Refused with a ValueError naming the values, on every rank: tp_size, sp_size or
   dp_replicate_size above 1, cp_size 1, ``RingTrainer(cp_size=)`` different from the
-  config's, a total size other than the world size, ``TrainingArguments(fsdp=...)`` too.
+  config's, a total size other than the world size, ``TrainingArguments(fsdp=...)`` or
+  accelerate's FSDP plugin too.
 
 Tested (tests/integration/test_trainer_parallelism.py, gloo CPU ranks, fp32): D=2 x C=2 on
 4 ranks (also with gradient accumulation 2 and clipping) and C=3 on 3 ranks, S=37 (not a
