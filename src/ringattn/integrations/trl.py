@@ -25,18 +25,22 @@ gradients and every logged metric equal TRL's trainer in ONE process on the same
   the global target count; ``num_tokens`` counts the tokens of the global batch.
   ``padding_free`` / ``packing`` batches (one row, ``position_ids`` restarting per document)
   are sharded per document; ring attention keeps the documents apart on any device (no
-  flash-attention kernel is needed). Completion-only and assistant-only losses are labels
-  of -100, which the sharding carries.
+  flash-attention kernel is needed). Completion-only (tested) and assistant-only losses are
+  labels of -100, which the sharding carries.
 * ``RingDPOTrainer``: DPO's loss needs each sequence's log-probability, a SUM over its
   tokens, before any non-linearity. Every rank runs policy and reference on its shards,
   and the per-token outputs of the fused head ([2B, L]: log-probabilities, entropy, mean
   logits, top-1 hits) are gathered into the global [2B, S - 1] tensors with
   ``ringattn.unshard`` (autograd: its backward hands each rank the gradient of its own
-  tokens). TRL's own ``_compute_loss`` then runs unchanged on the global tensors, so every
-  loss type (``sigmoid``, ``ipo``, ``sft``, ... and weighted mixes), ``ld_alpha``,
-  ``use_weighting``, f-divergences and every metric are the one-process ones, the same on
-  every rank. The loss is multiplied by W for DDP (each rank's gradient holds its tokens'
-  share). Memory: O(B S) per rank for the gathered per-token values, never O(S V).
+  tokens). TRL's own ``_compute_loss`` then runs unchanged on the global tensors, so the
+  loss and every metric are the one-process ones, the same on every rank, whatever the loss
+  type, ``ld_alpha``, ``use_weighting`` or f-divergence (tested: ``sigmoid``; ``ipo`` +
+  ``sft`` with ``ld_alpha``). The loss is multiplied by W for DDP (each rank's gradient
+  holds its tokens' share). Memory: O(B S) per rank for the gathered per-token values,
+  never O(S V).
+
+TRL's configs default to ``bf16=True`` (autocast), on CPU too: pass ``bf16=False`` for fp32
+(the tests do).
 
 Refused with a ValueError (on every rank, before training) where the result could not be
 the one-process one: ``cp_size`` below the world size (dp x cp is not wired for TRL's
