@@ -147,22 +147,22 @@ def conv_sources(plan: Plan, width: int) -> torch.Tensor:
     for c in plan.chunks[plan.rank]:
         first_of_doc = [0, *c.cuts]  # offset of the document start each piece begins at
         for (off, n), doc_start in zip(c.pieces(), first_of_doc):
-            for i in range(off, off + n):
-                for s in range(1, width + 1):
-                    j = i - s
-                    if j >= doc_start:  # inside this chunk, same document
-                        idx[s - 1, c.local_start + i] = c.local_start + j
-                    elif doc_start == 0 and not c.starts_doc:  # before this chunk
-                        p = c.global_start + j
-                        if p < 0:
-                            continue
-                        src = _holder(order, p)
-                        if bisect_right(plan.doc_starts, p) != bisect_right(
-                                plan.doc_starts, c.global_start):
-                            continue  # another document
-                        back = src.global_start + src.length - p  # 1 .. width from its end
-                        idx[s - 1, c.local_start + i] = (
-                            local + (src.rank * plan.rows + src.index) * width + width - back)
+            base = c.local_start + off
+            for s in range(1, width + 1):  # inside the piece: the slot s before
+                if s < n:
+                    idx[s - 1, base + s:base + n] = torch.arange(base, base + n - s)
+            if doc_start != 0 or c.starts_doc:
+                continue  # the piece starts a document: nothing before it
+            for i in range(min(width, n)):  # its first slots read the chunks before it
+                for s in range(i + 1, width + 1):
+                    p = c.global_start + i - s
+                    if p < 0 or bisect_right(plan.doc_starts, p) != bisect_right(
+                            plan.doc_starts, c.global_start):
+                        continue  # before the sequence, or in another document
+                    src = _holder(order, p)
+                    back = src.global_start + src.length - p  # 1 .. width from its end
+                    idx[s - 1, c.local_start + i] = (
+                        local + (src.rank * plan.rows + src.index) * width + width - back)
     return idx
 
 
