@@ -23,6 +23,8 @@ PROGRAMS = (
      "python -m ringattn.apps.eagle3_train --offline"),
     ("python -m ringattn.apps.specforge_train", "SpecForge's own Eagle3 trainer with "
      "ringattn's context parallelism (needs SpecForge: docs/specforge.md)"),
+    ("python -m ringattn.apps.modelopt_train", "ModelOpt's Eagle3 training recipe with "
+     "ringattn's context parallelism (needs ringattn[modelopt]: docs/modelopt.md)"),
 )
 """(command, what it does) of every program the package installs."""
 

@@ -436,6 +436,11 @@ def _data_paths(folder: Path) -> dict:
     }
 
 
+TRAINER_PATHS = ("rows", "offline")
+"""The data paths the trainer test runs; "online" runs through the recipe program
+(``test_modelopt_recipe_program_equals_modelopt_trainer``)."""
+
+
 def _trainer_main(out: str) -> None:
     """Run by torchrun: EagleRingTrainer trains on each data path; each rank writes its
     logged losses and its draft weights."""
@@ -446,7 +451,8 @@ def _trainer_main(out: str) -> None:
     import os
 
     rank = int(os.environ["RANK"])  # torchrun's (Trainer initialises the process group)
-    for name, (offline, dataset, collator) in _data_paths(Path(out)).items():
+    for name in TRAINER_PATHS:
+        offline, dataset, collator = _data_paths(Path(out))[name]
         model = _convert(_target(LlamaForCausalLM, "ringattn"), 64, offline)
         model.load_state_dict(one_process(64, offline)[2])  # ModelOpt's initial draft
         trainer = ra_mo.EagleRingTrainer(model=model, args=_training_args(f"{out}/{name}"),
@@ -464,9 +470,9 @@ def test_eagle_ring_trainer_equals_modelopt_trainer(tmp_path):
     """EagleRingTrainer on 2 ranks (torchrun) logs the losses and reaches the draft weights
     of transformers' Trainer with ModelOpt's loss in one process: 2 SGD steps of 2
     accumulated micro-batches of 2 padded rows (ModelOpt's accumulation: the step takes the
-    sum of the micro-batches' mean losses), on three data paths: rows as ModelOpt's
-    collator gives them, ModelOpt's offline dataset and collator (dumps padded and cut to
-    S = 13), and its online chat collator."""
+    sum of the micro-batches' mean losses), on two data paths: rows as ModelOpt's
+    collator gives them, and ModelOpt's offline dataset and collator (dumps padded and cut
+    to S = 13)."""
     import json
     import os
     import subprocess
@@ -479,7 +485,8 @@ def test_eagle_ring_trainer_equals_modelopt_trainer(tmp_path):
          __file__, str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     expected = {}
-    for name, (offline, dataset, collator) in _data_paths(out).items():
+    for name in TRAINER_PATHS:
+        offline, dataset, collator = _data_paths(out)[name]
         model = _convert(_target(OneProcessLlama, "sdpa"), 64, offline)
         start = _draft_state(model)
         ref = ModelOptTrainer(model=model, args=_training_args(str(tmp_path / "ref" / name)),
@@ -499,6 +506,100 @@ def test_eagle_ring_trainer_equals_modelopt_trainer(tmp_path):
             for key in end:  # the SGD updates (lr 1): the summed gradients of both steps
                 err = rel_err(weights[key] - start[key], end[key] - start[key])
                 assert err <= FP32_TOL, (name, rank, key, err)
+
+
+def _recipe_run(root: Path) -> tuple[list[str], Path]:
+    """ModelOpt's built-in Eagle3 recipe with dotlist overrides for a tiny CPU run of the
+    online path: the saved target with a chat tokenizer, the chats as JSON lines, the draft
+    vocabulary's d2t (draft id i -> target id 2 i), 2 SGD steps of 2 accumulated
+    micro-batches of 2 rows, S = 13. Returns (the program's arguments, the output dir)."""
+    import json
+
+    from chat import chat_tokenizer
+
+    target = root / "target"
+    _target(LlamaForCausalLM, "sdpa").save_pretrained(target)
+    tokenizer = chat_tokenizer()
+    tokenizer.padding_side = "right"
+    tokenizer.save_pretrained(target)
+    (root / "chats.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n"
+                                              for m in CHATS))
+    torch.save(torch.arange(64), root / "d2t.pt")
+    out = root / "run"
+    arch = (f"{{num_attention_heads: {HEADS}, num_key_value_heads: {KV_HEADS}, "
+            f"head_dim: {HEAD_DIM}, intermediate_size: 128, draft_vocab_size: 64}}")
+    overrides = [
+        f"model.model_name_or_path={target}", f"data.data_path={root / 'chats.jsonl'}",
+        f"data.draft_vocab_cache={root / 'd2t.pt'}", f"training.output_dir={out}",
+        "training.cp_size=2", f"training.training_seq_len={SEQ}", "training.use_cpu=true",
+        "training.bf16=false", "training.tf32=false", f"training.per_device_train_batch_size={BATCH}",
+        f"training.gradient_accumulation_steps={ACCUMULATE}", "training.max_steps=2",
+        "training.optim=sgd", "training.learning_rate=1.0", "training.warmup_steps=0",
+        "training.lr_scheduler_type=constant", "training.max_grad_norm=0.0",
+        "training.logging_steps=1", "training.save_strategy='no'", "training.report_to=[]",
+        "training.disable_tqdm=true", "training.train_sampling_strategy=sequential",
+        "training.dataloader_drop_last=false", "eagle.eagle_use_torch_compile=false",
+        f"eagle.eagle_architecture_config={arch}"]
+    return ["--config", "general/speculative_decoding/eagle3", *overrides], out
+
+
+@pytest.mark.timeout(300)
+def test_modelopt_recipe_program_equals_modelopt_trainer(tmp_path):
+    """``python -m ringattn.apps.modelopt_train`` on ModelOpt's own Eagle3 recipe (2 torchrun
+    ranks, training.cp_size=2, online chats through ModelOpt's LanguageDataCollator) logs
+    the losses and saves the draft of transformers' Trainer with ModelOpt's loss in one
+    process on the same data. A recipe it does not run exits 2 with one line naming the
+    field, and ``--export`` of a draft the servers cannot read (two aux layers) before
+    training."""
+    import json
+    import os
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    argv, out = _recipe_run(tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "ringattn.apps.modelopt_train", *argv],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    _, dataset, collator = _data_paths(tmp_path)["online"]
+    torch.manual_seed(42)  # TrainingArguments' seed: the program initialises the draft so
+    model = OneProcessLlama.from_pretrained(tmp_path / "target", attn_implementation="sdpa")
+    mtsp.convert(model, [("eagle", _eagle_config(64, False))])
+    model.eagle_module.rotary_emb = LlamaRotaryEmbedding(config=model.eagle_module.config)
+    model.eagle_module.d2t.copy_(torch.arange(64))
+    ref = ModelOptTrainer(model=model.train(), args=_training_args(str(tmp_path / "ref")),
+                          train_dataset=dataset, data_collator=collator)
+    ref.train()
+    want = [e["loss"] for e in ref.state.log_history if "loss" in e]
+    log, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, log[-6000:]
+    state = json.loads((out / "trainer_state.json").read_text())
+    got = [e["loss"] for e in state["log_history"] if "loss" in e]
+    assert len(got) == len(want) == 2
+    for a, b in zip(got, want):
+        assert abs(a - b) <= FP32_TOL * abs(b), (got, want)
+    saved = load_file(out / "model.safetensors")
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert rel_err(saved[name], p.detach()) <= FP32_TOL, name
+    # a 2-layer target has two aux layers, which the servers' Eagle3 cannot read
+    bad = subprocess.run([sys.executable, "-m", "ringattn.apps.modelopt_train", "--export",
+                          str(tmp_path / "export"), *argv, "training.cp_size=1",
+                          f"training.output_dir={tmp_path / 'refused'}"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "--export" in bad.stderr, bad.stderr[-3000:]
+    assert not (tmp_path / "refused").exists()
+    bad = subprocess.run([sys.executable, "-m", "ringattn.apps.modelopt_train", *argv,
+                          "training.cp_size=1", "training.estimate_ar=true",
+                          "model.use_fake_base_for_offline=true"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2, bad.stderr[-3000:]
+    ours = [line for line in bad.stderr.splitlines()  # (ModelOpt warns on import)
+            if line.startswith("python -m ringattn.apps.modelopt_train")]
+    assert len(ours) == 1 and "use_fake_base_for_offline" in ours[0] \
+        and "estimate_ar" in ours[0], bad.stderr[-3000:]
 
 
 # ---- the export: what vLLM and SGLang serve from ModelOpt's draft ---------------------

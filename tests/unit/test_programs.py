@@ -22,7 +22,8 @@ from ringattn._program import PROGRAMS
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAM_MODULES = {"ringattn.apps.cli", "ringattn.apps.train", "ringattn.apps.eagle3_train",
-                   "ringattn.apps.eagle3_target", "ringattn.apps.specforge_train"}
+                   "ringattn.apps.eagle3_target", "ringattn.apps.specforge_train",
+                   "ringattn.apps.modelopt_train"}
 """The modules ``python -m`` runs as programs (``ringattn`` is ``ringattn.apps.cli``)."""
 
 
