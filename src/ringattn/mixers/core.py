@@ -199,7 +199,8 @@ def _assemble(plan: Plan, parts: dict, like: torch.Tensor, tail_shape, dtype) ->
 def linear_recurrence(scan, transition, inputs, *, state_shape, map_shape, out_shape,
                       kind: str = "diagonal", state_dtype=None, group=None,
                       layout: str = DEFAULT_LAYOUT, seqlen: int | None = None, cu_seqlens=None,
-                      name: str = "linear_recurrence", params=(), error=None):
+                      name: str = "linear_recurrence", params=(), error=None,
+                      entry_output=None):
     """Exact context-parallel linear recurrence S_t = M_t . S_{t-1} + U_t with a readout.
 
     The family is given by two local functions (plain torch code, or a kernel that takes an
@@ -226,6 +227,11 @@ def linear_recurrence(scan, transition, inputs, *, state_shape, map_shape, out_s
             "contiguous", "zigzag" (per document with cu_seqlens) and "doc_contiguous";
             "striped" is refused.
         name: the caller's name in messages.
+        entry_output: optional ``entry_output(pieces, state) -> [B, n, *out_shape]``, what a
+            run's outputs gain from entering with ``state`` instead of zero (the readout
+            of the decayed entering state; cheap for diagonal transitions). With it, a
+            chunk that continues another is scanned once, from zero, and this is added;
+            without it, it is scanned again from its entering state.
         error: a TypeError/ValueError the caller found in its own arguments on this rank
             (or None): raised on every rank by the agreement, as the call's own checks are.
         params: tensors the functions read besides ``inputs`` (e.g. Mamba2's A): their
@@ -267,9 +273,9 @@ def linear_recurrence(scan, transition, inputs, *, state_shape, map_shape, out_s
             piece = tuple(t[:, at:at + n] for t in inputs)
             needs_entry = i == 0 and not c.starts_doc
             exports = i == len(pieces) - 1 and plan.sends_state[me][c.index]
-            if not needs_entry or exports:
+            if not needs_entry or exports or entry_output is not None:
                 out, final = scan(piece, None)
-                if not needs_entry:
+                if not needs_entry or entry_output is not None:
                     parts[at] = out
                 if exports:
                     c_row = final.to(sdtype).reshape(-1)
@@ -291,7 +297,10 @@ def linear_recurrence(scan, transition, inputs, *, state_shape, map_shape, out_s
             m = table[r, i, :m_numel].view(map_shape)
             s = table[r, i, m_numel:].view(state_shape)
             entry = s if entry is None else (m * entry if kind == "diagonal" else m @ entry) + s
-        parts[at] = scan(piece, entry)[0]
+        if entry_output is None:
+            parts[at] = scan(piece, entry)[0]
+        else:
+            parts[at] = parts[at] + entry_output(piece, entry)
     dtype = next(iter(parts.values())).dtype if parts else x0.dtype
     y = _assemble(plan, parts, x0, tuple(out_shape), dtype)
     if needs_grad and plan.world > 1:

@@ -46,6 +46,9 @@ def diagonal_recurrence(a: torch.Tensor, x: torch.Tensor, *, group=None,
     def transition(piece):
         return piece[0].prod(dim=1)
 
+    def entry_output(piece, state):  # h_t gains (a_1 ... a_t) * h_0
+        return piece[0].cumprod(dim=1) * state[:, None]
+
     error = None
     if not (isinstance(a, torch.Tensor) and isinstance(x, torch.Tensor)):
         error = TypeError(f"diagonal_recurrence: a and x must be tensors, got "
@@ -58,7 +61,7 @@ def diagonal_recurrence(a: torch.Tensor, x: torch.Tensor, *, group=None,
     return linear_recurrence(scan, transition, (a, x), state_shape=(batch, *feat),
                              map_shape=(batch, *feat), out_shape=feat, kind="diagonal",
                              group=group, layout=layout, seqlen=seqlen, cu_seqlens=cu_seqlens,
-                             name="diagonal_recurrence")
+                             name="diagonal_recurrence", entry_output=entry_output)
 
 
 def _refuse(error, name, group, layout, seqlen, cu_seqlens):
@@ -268,10 +271,15 @@ def mamba2_ssd(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B
     def transition(piece):
         return (piece[1].sum(dim=1) * aw).exp()[..., None, None]
 
+    def entry_output(piece, state):  # y_t gains exp(A (dt_1 + ... + dt_t)) h_0 C_t
+        decay = (piece[1].cumsum(dim=1) * aw).exp()  # [B, n, H]
+        return decay[..., None] * torch.einsum("bhpn,bthn->bthp", state, piece[3])
+
     y = linear_recurrence(
         scan, transition, (xw, dtw, bw, cw), state_shape=(batch, h, p, n),
         map_shape=(batch, h, 1, 1), out_shape=(h, p), kind="diagonal", group=group,
         layout=layout, seqlen=seqlen, cu_seqlens=cu_seqlens, name="mamba2_ssd",
+        entry_output=entry_output,
         params=tuple(t for t in (A, D, dt_bias) if t is not None))
     return y.to(out_dtype)
 
