@@ -404,8 +404,8 @@ def register(name: str = NAME) -> str:
     return name
 
 
+from .context import average_gradients, context_parallel  # noqa: E402,F401 (re-exported)
+
 if __name__ == "__main__":  # a library module: name the programs, do not exit 0
     from ringattn._program import not_a_program
     not_a_program(__spec__)
-
-from .context import average_gradients, context_parallel  # noqa: E402,F401 (context.py: lazily)
