@@ -202,14 +202,17 @@ def test_exact_against_one_process(clusters, world):
 
 def kernels_fit():
     """transformers' own chunked kernels plug in as the local scan (their initial_state /
-    initial_states and final-state outputs are what the mechanism needs)."""
+    initial_states and final-state outputs are what the mechanism needs), and on one
+    sequence each function under CP equals transformers' function on the whole sequence
+    in one process (their kernels compute in float32): (largest error against our loop,
+    largest error against transformers)."""
     from functools import partial
 
-    from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
+    from transformers.models.mamba2.modeling_mamba2 import causal_conv1d_fn, mamba2_chunk_scan
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
     world = dist.get_world_size()
-    errs = []
+    errs, hf_errs = [], []
     for layout, seqlen, cu in (("zigzag", 4 * world + 3, None), ("zigzag", 13, [0, 1, 5, 6, 13])):
         g = torch.Generator().manual_seed(seqlen)
         kw = dict(layout=layout, seqlen=seqlen, cu_seqlens=cu)
@@ -222,20 +225,34 @@ def kernels_fit():
                 for kern in (None, partial(torch_chunk_gated_delta_rule, chunk_size=4))]
         errs.append(_err(outs[1], outs[0]))
         x = torch.randn(1, seqlen, 2, 3, generator=g, dtype=torch.float64)
-        dt = torch.rand(1, seqlen, 2, generator=g, dtype=torch.float64)
+        dt = torch.randn(1, seqlen, 2, generator=g, dtype=torch.float64)
         bm, cm = (torch.randn(1, seqlen, 1, 4, generator=g, dtype=torch.float64) for _ in range(2))
-        a, d = -torch.rand(2, dtype=torch.float64) - 0.1, torch.randn(2, dtype=torch.float64)
-        outs = [mixers.mamba2_ssd(*(ra.shard(t, **kw) for t in (x, dt)), a,
-                                  *(ra.shard(t, **kw) for t in (bm, cm)), D=d, kernel=kern, **kw)
-                for kern in (None, partial(mamba2_chunk_scan, chunk_size=4))]
-        errs.append(_err(outs[1], outs[0]))
-    return max(errs)
+        a = -torch.rand(2, generator=g, dtype=torch.float64) - 0.1
+        d, bias = (torch.randn(2, generator=g, dtype=torch.float64) for _ in range(2))
+        ssd = dict(D=d, dt_bias=bias, dt_softplus=True)
+        souts = [mixers.mamba2_ssd(*(ra.shard(t, **kw) for t in (x, dt)), a,
+                                   *(ra.shard(t, **kw) for t in (bm, cm)), kernel=kern,
+                                   **ssd, **kw)
+                 for kern in (None, partial(mamba2_chunk_scan, chunk_size=4))]
+        errs.append(_err(souts[1], souts[0]))
+        if cu is None:  # transformers' functions on the whole sequence, in one process
+            want = torch_chunk_gated_delta_rule(q, k, v, gg, beta, use_qk_l2norm_in_kernel=True)[0]
+            hf_errs.append(_err(ra.unshard(outs[0], **kw), want.double()))
+            want = mamba2_chunk_scan(x, dt, a, bm, cm, chunk_size=8, **ssd)
+            hf_errs.append(_err(ra.unshard(souts[0], **kw), want.double()))
+            xc = torch.randn(1, seqlen, 5, generator=g, dtype=torch.float64)
+            wc = torch.randn(5, 4, generator=g, dtype=torch.float64)
+            bc = torch.randn(5, generator=g, dtype=torch.float64)
+            got = mixers.causal_conv1d(ra.shard(xc, **kw), wc, bc, activation="silu", **kw)
+            want = causal_conv1d_fn(xc.transpose(1, 2), wc, bc, activation="silu").transpose(1, 2)
+            hf_errs.append(_err(ra.unshard(got, **kw), want))
+    return max(errs), max(hf_errs)
 
 
 @pytest.mark.timeout(120)
 def test_transformers_kernels_as_the_local_scan(clusters):
-    for err in clusters(2).run(kernels_fit, timeout=90):
-        assert err < 1e-5, err  # their kernels compute in float32
+    for ours, theirs in clusters(2).run(kernels_fit, timeout=90):
+        assert ours < 1e-5 and theirs < 1e-5, (ours, theirs)  # their kernels compute in float32
 
 
 # ---------------------------------------------------------------- refusals
