@@ -236,6 +236,63 @@ def _check_modelopt(ns: dict) -> None:
     assert all(x == losses for x in every), every  # the global loss, logged on every rank
 
 
+def _parallelism(ns: dict, work: Path) -> None:
+    """trainers.md's parallelism_config block: a tiny Llama with ring attention (``model``),
+    four rows (``ds``) and ``out_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from ringattn.integrations import transformers as ra_hf
+
+    ra_hf.register()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    ns["model"] = AutoModelForCausalLM.from_config(config, attn_implementation="ringattn")
+    ids = torch.randint(50, (4, 29), generator=torch.Generator().manual_seed(2))
+    ns["ds"] = [{"input_ids": row, "labels": row} for row in ids]
+    ns["out_dir"] = str(work / "parallelism-trainer")
+
+
+def _check_parallelism(ns: dict) -> None:
+    """Three steps ran on the config's mesh, every parameter sharded by FSDP2 (exactness
+    against one process: tests/integration/test_trainer_parallelism.py)."""
+    trainer = ns["trainer"]
+    assert trainer.state.global_step == 3, trainer.state.log_history
+    assert trainer.device_mesh["cp"].size() == 2
+    assert all(hasattr(p, "full_tensor") for p in trainer.model.parameters())
+
+
+def _context_parallel(ns: dict, work: Path) -> None:
+    """trainers.md's context_parallel blocks: a tiny Llama config (seeded, so the check
+    builds the same initial weights), three global batches (left-padded, packed, plain; S
+    not a multiple of 2W), the group; for the block without DDP, its model and optimizer."""
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "distributed")]
+    from test_context_parallel import docs_inputs
+
+    docs_inputs(ns)
+
+
+def _context_parallel_no_ddp(ns: dict, work: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ringattn.integrations import transformers as ra_hf
+
+    _context_parallel(ns, work)
+    ra_hf.register()
+    ns["model"] = AutoModelForCausalLM.from_config(ns["config"], attn_implementation="ringattn")
+    ns["optimizer"] = torch.optim.SGD(ns["model"].parameters(), lr=0.1)
+
+
+def _check_context_parallel(ns: dict) -> None:
+    """The weights after the loop equal one process's SGD loop on the same batches."""
+    from test_context_parallel import TOL, docs_check
+
+    err = docs_check(ns, steps=1)
+    assert err < TOL, err
+
+
 def _check_varlen(ns: dict) -> None:
     assert ns["out_l"].shape == ns["q_l"].shape and ns["out_l"].isfinite().all()
 
@@ -252,6 +309,9 @@ RANKED = {
     ("strategies.md", 0): (_strategies, None),
     ("README.md", "eagle3-under-CP"): (_eagle3_cp, _check_eagle3_cp),
     ("modelopt.md", 0): (_modelopt, _check_modelopt),
+    ("trainers.md", 0): (_parallelism, _check_parallelism),
+    ("trainers.md", 4): (_context_parallel, _check_context_parallel),
+    ("trainers.md", 5): (_context_parallel_no_ddp, _check_context_parallel),
 }
 """Blocks run on 2 ranks: (what makes their inputs, what checks their outputs)."""
 
@@ -392,7 +452,7 @@ LOCAL = {
     ("eagle3.md", 1): (_evaluation, _check_evaluation),
     ("eagle3_data.md", 0): (_data, _check_data),
     ("eagle3_formats.md", 0): (_sglang_load, None),
-    ("modelopt.md", 2): (_modelopt_export, _check_modelopt_export),
+    ("modelopt.md", 3): (_modelopt_export, _check_modelopt_export),
     ("README.md", "draft-by-hand"): (_by_hand, _check_by_hand),
 }
 """Blocks run in one process: (what makes their inputs, what checks their outputs)."""
@@ -411,12 +471,21 @@ def _torchrun_argv(code: str) -> list[list[str]]:
     return out
 
 
-SHELL = {("compat.md", 3), ("modelopt.md", 1)}
+SHELL = {("compat.md", 3), ("modelopt.md", 2), ("trainers.md", 1)}
 """Shell blocks: every command in them is a torchrun launch, parsed by torchrun's parser."""
 SPECFORGE = {("specforge.md", 0): "json", ("specforge.md", 1): "sh"}
 """specforge.md's draft-config entry and launch line (SpecForge is not in this venv): the
 entry is read by ringattn's option check, the launch parsed by torchrun's and the program's
 parsers (``test_specforge_blocks_parse``); make test-specforge runs the launcher's code."""
+
+
+MODELOPT_RECIPE = ("modelopt.md", 1)
+"""modelopt.md's recipe launch line: parsed by torchrun's parser, the program's, and
+ModelOpt's own recipe loader (``test_modelopt_recipe_block_parses``)."""
+ELSEWHERE = {("trainers.md", 2): "tests/integration/test_trl.py",
+             ("trainers.md", 3): "tests/integration/test_trl.py"}
+"""Blocks another test runs as printed (TRL's: its launches already hold TRL's names and
+its one-process reference)."""
 
 
 def _run_block(key, code: str, make, check, work: Path) -> None:
@@ -439,7 +508,10 @@ def test_every_block_is_covered():
     """Each block of docs/ (and of ``README_HERE``) is run here, by language: python on ranks
     or in one process, shell through the launcher's parser; nothing is left out."""
     found = all_blocks()
-    covered = set(RANKED) | set(LOCAL) | SHELL | set(SPECFORGE)
+    covered = (set(RANKED) | set(LOCAL) | SHELL | set(SPECFORGE) | set(ELSEWHERE)
+               | {MODELOPT_RECIPE})
+    for key, test in ELSEWHERE.items():
+        assert (ROOT / test).is_file(), (key, test)
     assert set(found) == covered, (sorted(set(found) - covered), sorted(covered - set(found)))
     for key in set(RANKED) | set(LOCAL):
         assert found[key][0] == "python", key
@@ -474,6 +546,26 @@ def test_shell_blocks_parse():
         for argv in commands:
             args = get_args_parser().parse_args(argv)
             assert args.training_script == "train.py" and args.nnodes and args.rdzv_id, key
+
+
+def test_modelopt_recipe_block_parses():
+    """The launch line's torchrun arguments, the program's and its recipe with the
+    overrides as ModelOpt's loader reads them (ModelOpt's schema: a misspelt key fails)."""
+    from modelopt.recipe import load_recipe
+    from modelopt.recipe.config import ModelOptEagleRecipe
+    from torch.distributed.run import get_args_parser
+
+    from ringattn.apps.modelopt_train import parser
+
+    language, code = doc_blocks()[MODELOPT_RECIPE]
+    assert language == "sh"
+    (argv,) = _torchrun_argv(code)
+    launch = get_args_parser().parse_args(argv)
+    assert launch.module and launch.training_script == "ringattn.apps.modelopt_train"
+    args = parser().parse_args(launch.training_script_args)
+    recipe = load_recipe(args.config, overrides=args.overrides)
+    assert isinstance(recipe, ModelOptEagleRecipe)
+    assert int(launch.nproc_per_node) % recipe.training.cp_size == 0
 
 
 def test_specforge_blocks_parse():

@@ -23,6 +23,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("trl")
 
 RUN = Path(__file__).with_name("trl_run.py")
+sys.path.insert(0, str(RUN.parent))
+from trl_run import DEFAULT as DEFAULT_CASES  # noqa: E402
 WORLDS = (2, 3)
 TOL = 1e-5
 CASES = ("sft_packed", "sft_padded", "dpo", "dpo_mix")
@@ -53,9 +55,11 @@ def runs(tmp_path_factory):
     case and one torchrun launch per world size, started together."""
     out = tmp_path_factory.mktemp("trl")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmds = {"ref": [sys.executable, str(RUN), "--ref", "--out", str(out / "ref")]}
+    with_docs = ["--cases", ",".join((*DEFAULT_CASES, "docs"))]  # docs/trainers.md's blocks
+    cmds = {"ref": [sys.executable, str(RUN), "--ref", "--out", str(out / "ref"), *with_docs]}
     for w in WORLDS:
-        cmds[w] = [*torchrun, "--nproc-per-node", str(w), str(RUN), "--out", str(out / f"cp{w}")]
+        cmds[w] = [*torchrun, "--nproc-per-node", str(w), str(RUN), "--out", str(out / f"cp{w}"),
+                   *(with_docs if w == 2 else [])]
     return out, _launch_all(cmds, out)
 
 
@@ -147,6 +151,20 @@ def test_trl_trainer_logs_and_gradients_equal_one_process(runs, worst_errors, ca
     out, _ = runs
     lengths = json.loads((out / f"cp{world}" / f"{case}.0.lengths.json").read_text())
     assert any(s % (2 * world) for s in lengths), (case, world, lengths)  # uneven shards
+
+
+@pytest.mark.timeout(3 * TIMEOUT)
+def test_docs_trl_blocks_run_as_printed(runs, worst_errors):
+    """docs/trainers.md's RingSFTTrainer and RingDPOTrainer blocks, run as printed on 2
+    ranks with the names the page says are the reader's, log what TRL's own trainers log in
+    one process on the same data."""
+    want = _load(runs, "ref", "docs", 0)[0]
+    for rank in range(2):
+        got = _load(runs, 2, "docs", rank)[0]
+        for key in ("sft", "dpo"):
+            assert any("loss" in h for h in want[key]), key
+            assert compare_logs(worst_errors, f"docs {key}", got[key], want[key],
+                                f"W=2 rank {rank}") >= 5
 
 
 @pytest.mark.timeout(3 * TIMEOUT)
