@@ -292,7 +292,9 @@ def refusals():
         a, x.clone().requires_grad_(rank == 0), layout="contiguous", seqlen=s))
     # and the group still works after all of them
     ok = mixers.diagonal_recurrence(a, x, layout="contiguous", seqlen=s)
-    return said, tuple(ok.shape), parameters_only()
+    # bfloat16 in, bfloat16 out on every rank (the exchanged maps travel in float32)
+    half = mixers.diagonal_recurrence(a.bfloat16(), x.bfloat16(), layout="zigzag", seqlen=s - 1)
+    return said, (tuple(ok.shape), half.dtype), parameters_only()
 
 
 def parameters_only():
@@ -321,7 +323,7 @@ def parameters_only():
 @pytest.mark.timeout(120)
 def test_refusals_on_every_rank(clusters):
     for rank, (said, shape, err) in enumerate(clusters(2).run(refusals, timeout=90)):
-        assert shape == (1, 4, 3), rank
+        assert shape == ((1, 4, 3), torch.bfloat16), (rank, shape)
         assert err < 1e-12, (rank, err)
         assert said["tag"][0] == "ValueError" and "sharded with layout 'zigzag'" in said["tag"][1], said
         assert said["grad"][0] == "ValueError" and "disagree on needs_grad" in said["grad"][1], said

@@ -300,7 +300,7 @@ def linear_recurrence(scan, transition, inputs, *, state_shape, map_shape, out_s
         if entry_output is None:
             parts[at] = scan(piece, entry)[0]
         else:
-            parts[at] = parts[at] + entry_output(piece, entry)
+            parts[at] = (parts[at] + entry_output(piece, entry)).to(parts[at].dtype)
     dtype = next(iter(parts.values())).dtype if parts else x0.dtype
     y = _assemble(plan, parts, x0, tuple(out_shape), dtype)
     if needs_grad and plan.world > 1:
