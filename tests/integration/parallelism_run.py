@@ -27,13 +27,13 @@ unlabelled).
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (models.py)
+from launches import start_runner  # noqa: E402
 from models import tiny_causal_lm  # noqa: E402
 from trainer_run import Rows, logged  # noqa: E402
 
@@ -152,12 +152,7 @@ def main():
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--cases", required=True)
     args = ap.parse_args()
-    if not args.ref:
-        from ringattn.integrations import transformers as ra_hf
-
-        ra_hf.register()
-    rank = int(os.environ.get("RANK", 0))
-    args.out.mkdir(parents=True, exist_ok=True)
+    rank = start_runner(args)
     for name in args.cases.split(","):
         res, tensors = (refusals4(args.ref, args.out) if name == "refusals4"
                         else train_case(name, args.ref, args.out))

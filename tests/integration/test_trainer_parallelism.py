@@ -14,13 +14,14 @@ weights): the float32 bound of DESIGN.md.
 """
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launches import launch_all  # noqa: E402
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -44,19 +45,7 @@ def runs(tmp_path_factory):
                "--cases", "dp2_cp2,dp2_cp2_accum,refusals4"],
         "w3": [*torchrun, "3", str(RUN), "--out", str(out / "w3"), "--cases", "cp3"],
     }
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    procs = {k: subprocess.Popen(c, cwd=out, env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True) for k, c in cmds.items()}
-    failures = {}
-    for name, proc in procs.items():
-        try:
-            log = proc.communicate(timeout=LIMIT_S)[0]
-        except subprocess.TimeoutExpired:
-            for p in procs.values():
-                p.kill()
-            log = f"timed out after {LIMIT_S} s: {cmds[name]}"
-            proc.returncode = -1
-        failures[name] = None if proc.returncode == 0 else log[-8000:]
+    failures = launch_all(cmds, out, LIMIT_S)
     return out, failures
 
 

@@ -11,8 +11,6 @@ parameter tensor; a logged value by |a - b| / |b| (an exact 0 must be 0).
 """
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,29 +22,12 @@ pytest.importorskip("trl")
 
 RUN = Path(__file__).with_name("trl_run.py")
 sys.path.insert(0, str(RUN.parent))
+from launches import launch_all  # noqa: E402
 from trl_run import DEFAULT as DEFAULT_CASES  # noqa: E402
 WORLDS = (2, 3)
 TOL = 1e-5
 CASES = ("sft_packed", "sft_padded", "dpo", "dpo_mix")
 TIMEOUT = 400
-
-
-def _launch_all(cmds, cwd):
-    """Run the commands at once (the launches mostly wait on imports); {key: None, or the
-    failure's output}."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    procs = {k: subprocess.Popen(c, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True) for k, c in cmds.items()}
-    failures = {}
-    for k, proc in procs.items():
-        try:
-            output, _ = proc.communicate(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            proc.terminate()  # torchrun passes it on to its workers
-            output, _ = proc.communicate()
-            output = f"timed out after {TIMEOUT} s: {cmds[k]}\n{output}"
-        failures[k] = None if proc.returncode == 0 else output[-9000:]
-    return failures
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +41,7 @@ def runs(tmp_path_factory):
     for w in WORLDS:
         cmds[w] = [*torchrun, "--nproc-per-node", str(w), str(RUN), "--out", str(out / f"cp{w}"),
                    *(with_docs if w == 2 else [])]
-    return out, _launch_all(cmds, out)
+    return out, launch_all(cmds, out, TIMEOUT)
 
 
 def _load(runs, kind, case, rank):

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (models.py)
+from launches import error_text  # noqa: E402
 from models import tiny_causal_lm  # noqa: E402
 from readme_blocks import readme_block  # noqa: E402
 
@@ -237,19 +238,12 @@ def refusals(ref, out):
     if ref:
         return {}
 
-    def error(make):
-        try:
-            make()
-        except ValueError as e:
-            return f"{type(e).__name__}: {e}"
-        return None
-
     eager_args = TrainingArguments(output_dir=str(out / "refusals"), use_cpu=True, report_to=[],
                                    max_steps=1)
     return {
-        "eager": error(lambda: RingTrainer(model=tiny_causal_lm("llama", "eager"),
+        "eager": error_text(lambda: RingTrainer(model=tiny_causal_lm("llama", "eager"),
                                            args=eager_args, train_dataset=Rows(8, 3))),
-        "no_use_cpu": error(lambda: make_trainer(ref, out / "refusals", max_steps=1,
+        "no_use_cpu": error_text(lambda: make_trainer(ref, out / "refusals", max_steps=1,
                                                  use_cpu=False)),
     }
 

@@ -32,13 +32,13 @@ The data is text over a word-level tokenizer built here (no download): words ``w
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (models.py)
+from launches import error_text, start_runner  # noqa: E402
 from models import tiny_causal_lm  # noqa: E402
 
 VOCAB = 97
@@ -195,13 +195,6 @@ def refusals(ref, out):
     if ref:
         return {}
 
-    def error(make):
-        try:
-            make()
-        except ValueError as e:
-            return f"{type(e).__name__}: {e}"
-        return None
-
     tok = tokenizer()
 
     def sft_with(cp_size=None, **kw):
@@ -216,14 +209,14 @@ def refusals(ref, out):
                               train_dataset=pairs(4, 0), processing_class=tok)
 
     return {
-        "sft_neftune": error(lambda: sft_with(neftune_noise_alpha=5.0)),
-        "sft_liger": error(lambda: sft_with(use_liger_kernel=True)),
-        "dpo_liger": error(lambda: dpo_with(use_liger_kernel=True)),
-        "sft_dp_cp": error(lambda: sft_with(cp_size=1)),
-        "dpo_neftune": error(lambda: dpo_with(neftune_noise_alpha=5.0)),
-        "dpo_no_ref": error(lambda: dpo_with(ref_model=None)),
-        "dpo_eager_ref": error(lambda: dpo_with(ref_model="eager")),
-        "dpo_precompute": error(lambda: dpo_with(precompute_ref_log_probs=True)),
+        "sft_neftune": error_text(lambda: sft_with(neftune_noise_alpha=5.0)),
+        "sft_liger": error_text(lambda: sft_with(use_liger_kernel=True)),
+        "dpo_liger": error_text(lambda: dpo_with(use_liger_kernel=True)),
+        "sft_dp_cp": error_text(lambda: sft_with(cp_size=1)),
+        "dpo_neftune": error_text(lambda: dpo_with(neftune_noise_alpha=5.0)),
+        "dpo_no_ref": error_text(lambda: dpo_with(ref_model=None)),
+        "dpo_eager_ref": error_text(lambda: dpo_with(ref_model="eager")),
+        "dpo_precompute": error_text(lambda: dpo_with(precompute_ref_log_probs=True)),
     }
 
 
@@ -297,12 +290,7 @@ def main():
     ap.add_argument("--docs", default=None, help="the page holding the TRL blocks (case docs; "
                     "default docs/trainers.md)")
     args = ap.parse_args()
-    if not args.ref:
-        from ringattn.integrations import transformers as ra_hf
-
-        ra_hf.register()
-    rank = int(os.environ.get("RANK", 0))
-    args.out.mkdir(parents=True, exist_ok=True)
+    rank = start_runner(args)
     for name in args.cases.split(","):
         res = (docs(args.ref, args.out, args.docs) if name == "docs"
                else CASES[name](args.ref, args.out))
