@@ -15,7 +15,7 @@ Example (every rank runs this; ``pg`` is a process group of W ranks)::
     out = ra.unshard(out_l, group=pg, layout="zigzag", seqlen=S)  # [1, S, 8, 64]
 """
 
-from . import eagle3, kernels, layouts, masks, plan
+from . import eagle3, kernels, layouts, masks, mixers, plan
 from .strategies import auto
 from .strategies.allgather import allgather_attention
 from .strategies.auto import CostModel, Link, attention
