@@ -52,20 +52,31 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 TRAIN = ["-m", "ringattn.apps.train"]
 
 
-def _launch(cmd, cwd) -> str | None:
-    """Run a multi-rank command; its failure (output tail) or None."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    try:
-        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
-    except subprocess.TimeoutExpired as e:
-        return f"timed out after 300 s: {cmd}\n{e.stdout}\n{e.stderr}"
-    return None if proc.returncode == 0 else proc.stdout[-3000:] + proc.stderr[-6000:]
+class _Launch:
+    """A multi-rank command started now; ``failure()`` waits for it: its output tail, or
+    None when it exited 0."""
+
+    def __init__(self, cmd, cwd):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.cmd = cmd
+        self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+
+    def failure(self) -> str | None:
+        try:
+            out, err = self.proc.communicate(timeout=420)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, err = self.proc.communicate()
+            return f"timed out after 420 s: {self.cmd}\n{out[-3000:]}\n{err[-6000:]}"
+        return None if self.proc.returncode == 0 else out[-3000:] + err[-6000:]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """(directory, {run: failure or None}): the CP runs and, in this process through
-    ``ringattn train --attn eager|sdpa``, their one-process references (``<run>_ref``)."""
+    ``ringattn train --attn eager|sdpa``, their one-process references (``<run>_ref``).
+    Runs that do not depend on each other overlap (each is mostly one core's work)."""
     out = tmp_path_factory.mktemp("train")
     text = out / "text.txt"
     text.write_bytes(TEXT)
@@ -73,20 +84,24 @@ def runs(tmp_path_factory):
     tiny_causal_lm("qwen2-sliding", "eager").config.save_pretrained(out / "config")
     cp2 = ["--data", str(text), "--steps", "3", *ARGS]
     cp3 = ["--model", str(out / "saved"), "--steps", "2", *ARGS]
-    failures = {
-        "cp2": _launch([*TORCHRUN, "2", *TRAIN, *cp2, "--out", "cp2"], out),
-        "resumed": _launch([*TORCHRUN, "2", *TRAIN, *cp2, "--out", "resumed", "--resume",
-                            str(out / "cp2" / "checkpoint-1")], out),
-        "cp3": _launch([sys.executable, "-m", "ringattn.apps.cli", "train", "--world", "3",
-                        *cp3, "--strategy", "auto", "--layout", "contiguous", "--out", "cp3"],
-                       out),
-        "cp4": _launch([*TORCHRUN, "4", *TRAIN, "--model", str(out / "config"), "--steps", "2",
-                        *ARGS, "--strategy", "hybrid", "--ulysses", "2", "--out", "cp4"], out),
-    }
-    for name, argv in (("cp2", [*cp2, "--attn", "eager"]), ("cp3", [*cp3, "--attn", "eager"]),
-                       ("cp4", ["--model", str(out / "config" / "config.json"), "--steps", "2",
-                                *ARGS, "--attn", "sdpa"])):
-        assert cli.main(["train", *argv, "--out", str(out / f"{name}_ref")]) == 0
+    failures = {}
+    cp2_run = _Launch([*TORCHRUN, "2", *TRAIN, *cp2, "--out", "cp2"], out)
+    try:
+        for name, argv in (("cp2", [*cp2, "--attn", "eager"]),
+                           ("cp3", [*cp3, "--attn", "eager"]),
+                           ("cp4", ["--model", str(out / "config" / "config.json"), "--steps",
+                                    "2", *ARGS, "--attn", "sdpa"])):
+            assert cli.main(["train", *argv, "--out", str(out / f"{name}_ref")]) == 0
+    finally:
+        failures["cp2"] = cp2_run.failure()
+    resumed = _Launch([*TORCHRUN, "2", *TRAIN, *cp2, "--out", "resumed", "--resume",
+                       str(out / "cp2" / "checkpoint-1")], out)
+    cp3_run = _Launch([sys.executable, "-m", "ringattn.apps.cli", "train", "--world", "3", *cp3,
+                       "--strategy", "auto", "--layout", "contiguous", "--out", "cp3"], out)
+    failures["resumed"], failures["cp3"] = resumed.failure(), cp3_run.failure()
+    failures["cp4"] = _Launch([*TORCHRUN, "4", *TRAIN, "--model", str(out / "config"), "--steps",
+                               "2", *ARGS, "--strategy", "hybrid", "--ulysses", "2", "--out",
+                               "cp4"], out).failure()
     return out, failures
 
 
