@@ -84,25 +84,31 @@ _SEQUENCE_MIXERS = frozenset({
 """Families with non-attention sequence layers, for configs that list no layer types."""
 
 
-def _config_problem(config) -> str | None:
-    """Why ring attention cannot give this model's exact result, or None."""
+def _config_problem(config, router: bool = True) -> str | None:
+    """Why ring attention cannot give this model's exact result, or None (``router``:
+    whether an unconverted router auxiliary loss counts)."""
     name = getattr(config, "model_type", type(config).__name__)
+    convert = (f" (convert it first: ringattn.integrations.transformers.convert_mixers(model))"
+               if name in CONVERTIBLE else "")
     for field in _LAYER_TYPE_FIELDS:
+        if mixers_converted(config):
+            break
         kinds = getattr(config, field, None)
         if isinstance(kinds, (list, tuple)):
             other = sorted({str(k) for k in kinds} - _ATTENTION_LAYER_TYPES)
             if other:
                 return (f"{name} has {field} {other}: those sequence layers would see only this "
-                        f"rank's shard of the sequence, not the whole of it")
+                        f"rank's shard of the sequence, not the whole of it{convert}")
     if name in _OWN_MASKS:
         return (f"{name} computes a dense attention mask of its own (learned from the inputs), "
                 f"which cannot be sharded")
-    if name in _SEQUENCE_MIXERS:
+    if name in _SEQUENCE_MIXERS and not mixers_converted(config):
         return (f"{name} has sequence layers other than attention (state-space, linear "
-                f"attention or convolution), which would see only this rank's shard")
-    if getattr(config, "output_router_logits", False):
+                f"attention or convolution), which would see only this rank's shard{convert}")
+    if router and getattr(config, "output_router_logits", False) and not global_router_loss(config):
         return (f"{name} adds a router auxiliary loss (output_router_logits=True), which each "
-                f"rank would normalise over its own tokens; set output_router_logits=False")
+                f"rank would normalise over its own tokens; convert the model "
+                f"(ringattn.integrations.transformers.convert) or set output_router_logits=False")
     return None
 
 
@@ -120,7 +126,9 @@ def check_model(model, config=None) -> None:
         model: a transformers model, or a model CLASS (to check before building it: some
             classes, such as Falcon's and GPT-Neo's, fail inside transformers'
             constructor with a bare KeyError when asked for a registered attention name).
-        config: the config to check with a class (a model's own config otherwise).
+        config: the config to check with a class (a model's own config otherwise). A class
+            is not refused for a router auxiliary loss, which ``convert`` makes global
+            after building (``prepare_batch`` checks the built model).
 
     Raises:
         ValueError: the model class computes attention itself (never calls the registered
@@ -130,7 +138,8 @@ def check_model(model, config=None) -> None:
     if hasattr(cls, "is_backend_compatible") and not cls.is_backend_compatible():
         raise ValueError(_computes_attention_itself(cls.__name__))
     config = getattr(model, "config", None) if config is None else config
-    problem = None if config is None or isinstance(config, property) else _config_problem(config)
+    problem = None if config is None or isinstance(config, property) else _config_problem(
+        config, router=not isinstance(model, type))
     if problem is not None:
         raise ValueError(f"ring attention cannot run {cls.__name__} exactly: {problem}")
 
@@ -320,9 +329,12 @@ def _ring_arguments(module, attention_mask, sliding_window, is_causal, ring_cont
 def _check_call(module, attention_mask, dropout, sliding_window, is_causal, ring_context,
                 output_attentions, head_mask, kwargs):
     """This rank's refusals of one attention call; (causal, window, mask) otherwise."""
-    if kwargs.pop("output_router_logits", None):
+    config = getattr(module, "config", None)
+    if kwargs.pop("output_router_logits", None) and not global_router_loss(config):
         raise ValueError("output_router_logits=True: each rank would normalise the router "
-                         "auxiliary loss over its own tokens; pass output_router_logits=False")
+                         "auxiliary loss over its own tokens; convert the model "
+                         "(ringattn.integrations.transformers.convert) or pass "
+                         "output_router_logits=False")
     unknown = sorted(k for k, v in kwargs.items() if k not in NOT_ATTENTION_KWARGS and v is not None)
     if unknown:
         raise TypeError(f"ring attention does not implement the attention argument(s) "
@@ -331,7 +343,6 @@ def _check_call(module, attention_mask, dropout, sliding_window, is_causal, ring
         raise ValueError(f"ring attention has no attention dropout, got dropout={dropout}")
     if output_attentions or head_mask is not None:
         raise TypeError("ring attention returns no attention weights and takes no head_mask")
-    config = getattr(module, "config", None)
     problem = _config_problem(config)
     if problem is not None:
         raise ValueError(f"ring attention cannot run this model exactly: {problem}")
@@ -347,7 +358,8 @@ def _check_call(module, attention_mask, dropout, sliding_window, is_causal, ring
     if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
         raise ValueError(
             f"{type(module).__name__} scales its queries by position (attn_temperature_tuning) "
-            f"from arange(local length), not the global positions; disable it for ring attention"
+            f"from arange(local length), not the global positions; convert the model "
+            f"(ringattn.integrations.transformers.convert) or disable it"
         )
     return _ring_arguments(module, attention_mask, sliding_window, is_causal, ring_context)
 
@@ -405,6 +417,8 @@ def register(name: str = NAME) -> str:
 
 
 from .context import average_gradients, context_parallel  # noqa: E402,F401 (re-exported)
+from .hybrid import CONVERTIBLE, convert_mixers, mixers_converted  # noqa: E402,F401 (re-exported)
+from .families import convert, converted, global_router_loss  # noqa: E402,F401 (re-exported)
 
 if __name__ == "__main__":  # a library module: name the programs, do not exit 0
     from ringattn._program import not_a_program

@@ -1,0 +1,251 @@
+"""Model families that need more than the attention function: ``convert(model)``.
+
+Some transformers families compute something from the rank's own tokens that one process
+computes from the whole sequence, so registering ring attention is not enough:
+
+* MoE families with a router auxiliary loss (``output_router_logits=True``: Mixtral,
+  Qwen2-MoE, Qwen3-MoE, PhiMoE, OLMoE, GraniteMoE, gpt-oss, ...): transformers'
+  ``load_balancing_loss_func`` averages the router's top-k counts and probabilities over the
+  tokens it sees. ``convert`` adds a forward hook to the model that replaces the per-rank
+  value by the global one: the per-expert sums over this rank's real tokens are all-reduced
+  over the context-parallel group (with autograd: the backward all-reduces their
+  gradients), and each rank's loss carries ``1/W`` of ``router_aux_loss_coef * aux``, so
+  the ranks' losses sum to one process's loss and their gradients to its gradients.
+  ``output.aux_loss`` is the global value on every rank.
+* Llama 4's query temperature tuning on its NoPE layers (``attn_temperature_tuning``):
+  transformers scales each query by ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))``
+  with ``p = arange(local length)``. ``convert`` switches the module's own scaling off and
+  scales the output of its ``q_proj`` (a forward hook) by the same function of each local
+  slot's GLOBAL position (from the batch's ``RingContext``: layout, S, documents), which is
+  what one process computes; without a ring context, by the positions transformers uses.
+
+Nothing of transformers is patched: ``convert`` registers torch hooks on the model's own
+modules and records the config as converted, which lets ``check_model``, the mask function
+and the attention function accept what it made global. It returns the model:
+
+    from ringattn.integrations import transformers as ra_hf
+    ra_hf.register()
+    model = ra_hf.convert(MixtralForCausalLM(config))   # config.output_router_logits = True
+    local = ra_hf.prepare_batch(model, batch, group=cp_group)
+    out = model(**local)        # out.loss: this rank's share; out.aux_loss: the global value
+
+Families that need nothing are returned unchanged; families it cannot make exact raise
+``check_model``'s ValueError.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["convert", "converted", "global_router_loss"]
+
+_CONVERTED: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+"""Configs of converted models, by id (configs define ``__eq__``, so they are unhashable)."""
+_GLOBAL_ROUTER: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+"""Configs of converted models whose router auxiliary loss is global."""
+
+_REFERENCE_LOSS = ("transformers.models.mixtral.modeling_mixtral", "load_balancing_loss_func")
+"""The router loss ``_global_router_loss`` computes globally. A family is converted only if
+its module's ``load_balancing_loss_func`` has the same source and its CausalLM calls it with
+``(router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)``."""
+
+_CALL = ("load_balancing_loss_func(", "outputs.router_logits,", "self.num_experts,",
+         "self.num_experts_per_tok,", "attention_mask,")
+
+
+def converted(config) -> bool:
+    """Whether ``convert`` made a model with this config exact under ring attention."""
+    return config is not None and _CONVERTED.get(id(config)) is config
+
+
+def global_router_loss(config) -> bool:
+    """Whether a converted model with this config computes its router auxiliary loss
+    globally (so ``output_router_logits=True`` is exact)."""
+    return config is not None and _GLOBAL_ROUTER.get(id(config)) is config
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the group; the backward sums the gradients (each rank's output is used by
+    that rank's loss only, and every rank's input feeds every rank's output)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _local_positions(ring_context) -> torch.Tensor:
+    """[L] global position of each local slot (>= S on the slots that pad S up)."""
+    from ..sharding import positions
+
+    pos = positions(ring_context.seqlen, group=ring_context.group, layout=ring_context.layout,
+                    cu_seqlens=ring_context.cu_seqlens)
+    return pos[0] if ring_context.cu_seqlens is not None else pos
+
+
+def _local_real(ring_context, batch: int, device) -> torch.Tensor:
+    """[B, L] float: 1 on this rank's real tokens (not padding, not a slot padding S up)."""
+    from ..masks import evaluate
+
+    pos = _local_positions(ring_context)
+    real = (pos < ring_context.seqlen).view(1, -1).expand(batch, -1)
+    if ring_context.mask is not None:  # key padding of the batch rows, in global positions
+        seen = evaluate(ring_context.mask, ring_context.seqlen, pos[:1].clamp(max=0), pos,
+                        batch, 1)  # [B or 1, 1, 1, L]
+        real = real & seen[:, 0, 0, :].expand(batch, -1)
+    return real.to(device=device, dtype=torch.float32)
+
+
+def _global_router_loss(router_logits, num_experts: int, top_k: int, real_BL, group):
+    """transformers' load-balancing loss over the tokens of every rank of ``group``:
+    ``num_experts * sum_e f_e * P_e`` with f_e the fraction of top-k assignments to expert e
+    and P_e its mean router probability, both over the real tokens of all layers."""
+    flat = real_BL.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=flat.device)
+    probs = torch.zeros(num_experts, dtype=torch.float32, device=flat.device)
+    rows = torch.zeros((), dtype=torch.float32, device=flat.device)
+    for logits in router_logits:
+        weights = torch.softmax(logits.to(flat.device), dim=-1)
+        _, chosen = torch.topk(weights, top_k, dim=-1)
+        counts = counts.scatter_add(0, chosen.reshape(-1), flat.repeat_interleave(top_k))
+        probs = probs + (weights.float() * flat.unsqueeze(-1)).sum(0)
+        rows = rows + flat.sum()
+    counts = counts.clone()
+    dist.all_reduce(counts, group=group)  # no gradient: top-k is piecewise constant
+    rows = rows.clone()
+    dist.all_reduce(rows, group=group)
+    probs = _AllReduceSum.apply(probs, group)
+    return torch.sum((counts / rows) * (probs / rows)) * num_experts
+
+
+def _router_loss_problem(model) -> str | None:
+    """Why ``convert`` cannot make this model's router loss global, or None."""
+    import importlib
+
+    family = type(model).__module__
+    try:
+        own = importlib.import_module(family).load_balancing_loss_func
+        ref = getattr(importlib.import_module(_REFERENCE_LOSS[0]), _REFERENCE_LOSS[1])
+        same = inspect.getsource(own) == inspect.getsource(ref)
+        source = inspect.getsource(type(model).forward)
+    except (AttributeError, ImportError, OSError, TypeError):
+        return f"{type(model).__name__} has no load_balancing_loss_func that ringattn knows"
+    calls = "".join(source.split())
+    if not same or "".join(_CALL) not in calls:
+        return (f"{type(model).__name__}'s router auxiliary loss is not the one ringattn makes "
+                f"global (Mixtral's load_balancing_loss_func on the router logits)")
+    for attr in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef"):
+        if not isinstance(getattr(model, attr, None), (int, float)):
+            return f"{type(model).__name__} has no {attr}"
+    return None
+
+
+def _router_hook(model, args, kwargs, output):
+    """Forward hook: the global router loss in place of this rank's."""
+    ctx = kwargs.get("ring_context")
+    aux = getattr(output, "aux_loss", None)
+    if ctx is None or aux is None or not isinstance(aux, torch.Tensor):
+        return None  # one process, or no router loss asked for: transformers' value
+    logits = getattr(output, "router_logits", None)
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    shape = ids.shape if ids is not None else kwargs["inputs_embeds"].shape[:2]
+    real = _local_real(ctx, shape[0], aux.device)
+    world = dist.get_world_size(ctx.group)
+    glob = _global_router_loss(logits, model.num_experts, model.num_experts_per_tok, real,
+                               ctx.group)
+    coef = model.router_aux_loss_coef
+    if output.loss is not None:  # this rank's value out, its 1/W share of the global one in
+        output.loss = output.loss - coef * aux.to(output.loss.device) + (coef / world) * glob
+    output.aux_loss = glob
+    return output
+
+
+def _temperature_pre_hook(module, args, kwargs):
+    """Llama 4 NoPE attention: the per-token query scale, from global positions."""
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    ctx = kwargs.get("ring_context")
+    if ctx is not None:
+        pos = _local_positions(ctx).to(hidden.device)
+    else:  # as transformers counts: after the cached tokens
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        seen = cache.get_seq_length(module.layer_idx) if cache is not None else 0
+        pos = torch.arange(hidden.shape[1], device=hidden.device) + seen
+    scale = torch.log1p(torch.floor((pos.float() + 1.0) / module.floor_scale))
+    module.q_proj._ring_query_scale = scale * module.attn_scale + 1.0
+    return None
+
+
+def _temperature_q_hook(q_proj, args, output):
+    scale = q_proj.__dict__.pop("_ring_query_scale", None)
+    if scale is None:
+        raise ValueError("a converted Llama 4 q_proj ran outside its attention module")
+    return (output * scale.view(1, -1, 1)).to(output.dtype)
+
+
+def _convert_temperature(model) -> int:
+    """Move Llama 4's query temperature to global positions; the number of layers."""
+    done = 0
+    for module in model.modules():
+        if (getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True)
+                and hasattr(module, "q_proj") and hasattr(module, "floor_scale")):
+            module.attn_temperature_tuning = False  # transformers' local-position scaling off
+            module.register_forward_pre_hook(_temperature_pre_hook, with_kwargs=True)
+            module.q_proj.register_forward_hook(_temperature_q_hook)
+            done += 1
+    return done
+
+
+def convert(model):
+    """Make ``model`` exact under ring attention where registering it is not enough.
+
+    Arguments:
+        model: a transformers model (built with attn_implementation="ringattn").
+
+    Returns:
+        ``model`` itself, with hooks on its own modules: a global router auxiliary loss
+        (MoE families with ``output_router_logits``), Llama 4's query temperature from
+        global positions. A model that needs neither comes back unchanged. Converting
+        twice is a no-op.
+
+    Raises:
+        ValueError: ``check_model`` refuses the model for something else (a family that
+            computes attention itself, non-attention sequence layers), or its router loss
+            is not one ``convert`` knows.
+    """
+    from .transformers import check_model
+
+    config = getattr(model, "config", None)
+    if config is None:
+        raise TypeError(f"convert takes a transformers model, got {type(model).__name__}")
+    if converted(config):
+        return model
+    asked = bool(getattr(config, "output_router_logits", False))
+    if asked:  # refuse the rest first (the router loss is accepted below)
+        config.output_router_logits = False
+        try:
+            check_model(model)
+        finally:
+            config.output_router_logits = True
+    else:
+        check_model(model)
+    problem = _router_loss_problem(model) if hasattr(model, "router_aux_loss_coef") else "none"
+    if asked and problem is not None:
+        raise ValueError(f"ringattn cannot make this router loss global: {problem}")
+    if problem is None:  # also serves output_router_logits=True passed to forward later
+        model.register_forward_hook(_router_hook, with_kwargs=True)
+        _GLOBAL_ROUTER[id(config)] = config
+    _convert_temperature(model)
+    _CONVERTED[id(config)] = config
+    return model
