@@ -130,10 +130,10 @@ EXPECTED = {
     # a dynamic, value-dependent mask passed as attention_mask
     "doge": REFUSED,
     # never call AttentionInterface: their own attention would ignore the ring context
-    "bloom": REFUSED,
+    "bloom": EXACT,  # ALiBi: ra_hf.convert puts ring attention (alibi_slopes) in its module
     "codegen": EXACT,  # transformers >= 5.24 calls the attention interface
     "xglm": REFUSED,
-    "mpt": REFUSED,
+    "mpt": EXACT,  # ALiBi: ra_hf.convert puts ring attention (alibi_slopes) in its module
     "stablelm": REFUSED,  # and its decoder layer does not pass **kwargs to self_attn
     # look their attention class up by attn_implementation in a dict of their own (building
     # them with "ringattn" raises KeyError inside transformers): check_model(cls, config),
@@ -168,6 +168,8 @@ EXPECTED_SHARD = {
     "mixtral": REFUSED,
     "qwen3_moe": REFUSED,
     "llama4": REFUSED,
+    "bloom": REFUSED,
+    "mpt": REFUSED,
 }
 
 

@@ -135,9 +135,14 @@ def check_model(model, config=None) -> None:
             function), or has non-attention sequence layers or per-rank losses.
     """
     cls = model if isinstance(model, type) else type(model)
-    if hasattr(cls, "is_backend_compatible") and not cls.is_backend_compatible():
-        raise ValueError(_computes_attention_itself(cls.__name__))
     config = getattr(model, "config", None) if config is None else config
+    family = getattr(config, "model_type", None)
+    if (hasattr(cls, "is_backend_compatible") and not cls.is_backend_compatible()
+            and family not in CONVERTIBLE and not (
+                convertible(family) if isinstance(model, type) else converted(config))):
+        raise ValueError(_computes_attention_itself(cls.__name__) + (
+            "; convert the model first (ringattn.integrations.transformers.convert)"
+            if convertible(family) else ""))
     problem = None if config is None or isinstance(config, property) else _config_problem(
         config, router=not isinstance(model, type))
     if problem is not None:
@@ -224,6 +229,14 @@ class ModelMask:
     """A 2-D attention_mask reached the model (padding must go through shard_batch)."""
     family: str = "the model"
     """The config's model_type, for messages."""
+    converted: bool = False
+    """The model was converted (``convert``): its own attention modules, replaced by ring
+    attention, receive this object (MPT casts it with ``.to`` first)."""
+
+    def to(self, *args, **kwargs):
+        if not self.converted:
+            return self.__getattr__("to")
+        return self
 
     def __getattr__(self, name: str):
         # Only a model that uses the mask object itself (``.to``, ``.dtype``, indexing...)
@@ -258,7 +271,8 @@ def _model_mask(*, mask_function=None, local_size=None, config=None, attention_m
     if problem is not None:
         raise ValueError(f"ring attention cannot run {family} exactly: {problem}")
     base = _base_model_class(config)
-    if base is not None and not base.is_backend_compatible():
+    if (base is not None and not base.is_backend_compatible() and family not in CONVERTIBLE
+            and not converted(config)):
         raise ValueError(_computes_attention_itself(f"{family} ({base.__name__})"))
     bidirectional = allow_is_bidirectional_skip is not None
     if local_size is None:
@@ -272,7 +286,7 @@ def _model_mask(*, mask_function=None, local_size=None, config=None, attention_m
         if chunk == local_size and window == local_size:
             kind = "ambiguous"
     return ModelMask(kind, local_size, custom=bool(use_vmap), padded=attention_mask is not None,
-                     family=family)
+                     family=family, converted=converted(config))
 
 
 def _base_model_class(config):
@@ -418,7 +432,7 @@ def register(name: str = NAME) -> str:
 
 from .context import average_gradients, context_parallel  # noqa: E402,F401 (re-exported)
 from .hybrid import CONVERTIBLE, convert_mixers, mixers_converted  # noqa: E402,F401 (re-exported)
-from .families import convert, converted, global_router_loss  # noqa: E402,F401 (re-exported)
+from .families import convert, converted, convertible, global_router_loss  # noqa: E402,F401 (re-exported)
 
 if __name__ == "__main__":  # a library module: name the programs, do not exit 0
     from ringattn._program import not_a_program
