@@ -99,6 +99,7 @@ bench: install
 	$(PY) benchmarks/strategy_table.py
 	$(PY) benchmarks/bench_yunchang.py
 	$(PY) benchmarks/bench_compat.py
+	$(PY) benchmarks/bench_mixers.py --quick
 	$(PY) benchmarks/report.py
 
 clean:
