@@ -134,15 +134,16 @@ EXPECTED = {
     "codegen": EXACT,  # transformers >= 5.24 calls the attention interface
     "xglm": REFUSED,
     "mpt": EXACT,  # ALiBi: ra_hf.convert puts ring attention (alibi_slopes) in its module
-    "stablelm": REFUSED,  # and its decoder layer does not pass **kwargs to self_attn
+    # the decoder layer does not pass **kwargs to self_attn (ra_hf.convert hands its
+    # attention the ring_context); stablelm's class also says it computes attention itself
+    "stablelm": EXACT,
     # look their attention class up by attn_implementation in a dict of their own (building
     # them with "ringattn" raises KeyError inside transformers): check_model(cls, config),
     # called before building, refuses them
     "falcon": REFUSED,
     "gptj": EXACT,  # transformers >= 5.24 calls the attention interface
     "gpt_neo": REFUSED,
-    # the decoder layer does not pass **kwargs to self_attn: ring_context never arrives
-    "nemotron": REFUSED,
+    "nemotron": EXACT,
     # hybrids: recurrent / convolutional / state-space layers would run on the local shard
     "qwen3_next": REFUSED,
     "lfm2": REFUSED,
@@ -170,6 +171,8 @@ EXPECTED_SHARD = {
     "llama4": REFUSED,
     "bloom": REFUSED,
     "mpt": REFUSED,
+    "stablelm": REFUSED,
+    "nemotron": REFUSED,
 }
 
 

@@ -209,12 +209,16 @@ def _convert_temperature(model) -> int:
 
 _ALIBI = frozenset({"bloom", "mpt"})
 """Families whose attention modules (ALiBi, computed in the module) ``convert`` replaces."""
+_RELAY = {"stablelm": "StableLmAttention", "nemotron": "NemotronAttention"}
+"""Families whose attention calls the attention interface with its keyword arguments but
+whose decoder layer does not pass the batch's on: ``convert`` hands the ring_context to
+these attention classes."""
 
 
 def convertible(model_type) -> bool:
     """Whether ``convert`` replaces the attention of this family (which computes attention
     itself: ``check_model`` on its class accepts it, on an unconverted model refuses it)."""
-    return model_type in _ALIBI
+    return model_type in _ALIBI or model_type in _RELAY
 
 
 def _ring_context(module):
@@ -323,6 +327,26 @@ def _context_pre_hook(model, args, kwargs):
     return None
 
 
+def _relay_pre_hook(module, args, kwargs):
+    """The ring_context the model was called with, for an attention module whose decoder
+    layer dropped it."""
+    if kwargs.get("ring_context") is None:
+        kwargs = {**kwargs, "ring_context": module.__dict__.get("_ring_context")}
+    return args, kwargs
+
+
+def _convert_relay(model) -> None:
+    """Pass the batch's ring_context to the attention modules of a ``_RELAY`` family."""
+    name = _RELAY[model.config.model_type]
+    found = tuple(m for m in model.modules() if type(m).__name__ == name)
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no {name} to convert")
+    for module in found:
+        module.register_forward_pre_hook(_relay_pre_hook, with_kwargs=True)
+    model.__dict__["_ring_attentions"] = found
+    model.register_forward_pre_hook(_context_pre_hook, with_kwargs=True)
+
+
 def _convert_alibi(model) -> None:
     """Replace BLOOM's / MPT's attention modules by ring attention with their ALiBi."""
     family = model.config.model_type
@@ -385,8 +409,11 @@ def convert(model):
         model.register_forward_hook(_router_hook, with_kwargs=True)
         _GLOBAL_ROUTER[id(config)] = config
     _convert_temperature(model)
-    if own:
+    family = getattr(config, "model_type", None)
+    if family in _ALIBI:
         _convert_alibi(model)
+    elif family in _RELAY:
+        _convert_relay(model)
     _CONVERTED[id(config)] = config
     check_model(model)
     return model
