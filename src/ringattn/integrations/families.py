@@ -209,6 +209,9 @@ def _convert_temperature(model) -> int:
 
 _ALIBI = frozenset({"bloom", "mpt"})
 """Families whose attention modules (ALiBi, computed in the module) ``convert`` replaces."""
+_OWN_ATTENTION = frozenset({"xglm"})
+"""Families whose attention modules compute plain softmax attention themselves (no
+positional term inside): ``convert`` replaces them by ring attention."""
 _RELAY = {"stablelm": "StableLmAttention", "nemotron": "NemotronAttention"}
 """Families whose attention calls the attention interface with its keyword arguments but
 whose decoder layer does not pass the batch's on: ``convert`` hands the ring_context to
@@ -218,7 +221,7 @@ these attention classes."""
 def convertible(model_type) -> bool:
     """Whether ``convert`` replaces the attention of this family (which computes attention
     itself: ``check_model`` on its class accepts it, on an unconverted model refuses it)."""
-    return model_type in _ALIBI or model_type in _RELAY
+    return model_type in _ALIBI or model_type in _RELAY or model_type in _OWN_ATTENTION
 
 
 def _ring_context(module):
@@ -319,6 +322,43 @@ def _ring_mpt_attention(base):
     return RingMptAttention
 
 
+def _ring_xglm_attention(base):
+    class RingXGLMAttention(base):
+        """XGLM's self-attention over the ring: its own projections (queries pre-scaled),
+        ring attention through the registered attention function."""
+
+        def forward(self, hidden_states, key_value_states=None, cache=None,
+                    attention_mask=None, **kwargs):
+            from .transformers import ring_attention_forward
+
+            if key_value_states is not None:
+                raise TypeError("ring attention runs XGLM's self-attention, not cross-attention")
+            b, length, _ = hidden_states.shape
+            q, k, v = ((proj(hidden_states) * scale).view(b, length, -1, self.head_dim)
+                       .transpose(1, 2) for proj, scale in
+                       ((self.q_proj, self.scaling), (self.k_proj, 1.0), (self.v_proj, 1.0)))
+            if cache is not None:
+                k, v = cache.update(k, v, self.layer_idx)
+            out, _ = ring_attention_forward(
+                self, q, k, v, attention_mask, dropout=self.dropout if self.training else 0.0,
+                scaling=1.0, **kwargs)
+            return self.out_proj(out.reshape(b, length, -1)), None
+
+    return RingXGLMAttention
+
+
+def _convert_own_attention(model) -> None:
+    """Replace XGLM's attention modules by ring attention."""
+    from transformers.models.xglm.modeling_xglm import XGLMAttention as base
+
+    cls = _ring_xglm_attention(base)
+    found = [m for m in model.modules() if type(m) is base]
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no {base.__name__} to convert")
+    for module in found:
+        module.__class__ = cls
+
+
 def _context_pre_hook(model, args, kwargs):
     """Hand the batch's ring_context to the converted attention modules (these families'
     decoder layers do not pass keyword arguments on)."""
@@ -414,6 +454,8 @@ def convert(model):
         _convert_alibi(model)
     elif family in _RELAY:
         _convert_relay(model)
+    elif family in _OWN_ATTENTION:
+        _convert_own_attention(model)
     _CONVERTED[id(config)] = config
     check_model(model)
     return model
