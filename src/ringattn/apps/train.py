@@ -402,7 +402,7 @@ def peak_rss_mib() -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
 
 
-# ----------------------------------------------------------------------------- the loop
+# ----------------------------------------------------------------------------- training (Trainer)
 
 
 class _Rows(torch.utils.data.Dataset):
