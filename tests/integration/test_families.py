@@ -142,7 +142,7 @@ EXPECTED = {
     # called before building, refuses them
     "falcon": REFUSED,
     "gptj": EXACT,  # transformers >= 5.24 calls the attention interface
-    "gpt_neo": REFUSED,
+    "gpt_neo": EXACT,  # built eager, ra_hf.convert puts ring attention in its module
     "nemotron": EXACT,
     # hybrids: recurrent / convolutional / state-space layers would run on the local shard
     "qwen3_next": REFUSED,
@@ -232,11 +232,12 @@ def _context_parallel(name: str, batch: dict, group, path: str):
     nothing else): (model with gradients, output)."""
     from ringattn.integrations import transformers as ra_hf
 
+    config, cls = FAMILIES[name]()
     if path == "prepare":
-        config, cls = FAMILIES[name]()
         ra_hf.check_model(cls, config)  # before building: some classes fail in the constructor
-    try:
-        model = build(name, "ringattn")
+    try:  # the prepare path builds BUILT_EAGER families as check_model says: eager, converted
+        eager = path == "prepare" and config.model_type in ra_hf.BUILT_EAGER
+        model = build(name, "eager" if eager else "ringattn")
     except Exception as exc:
         if _raised_in_ringattn(exc):
             raise
@@ -377,3 +378,8 @@ def test_convert_refuses_what_it_cannot_make_exact():
     assert len(model._forward_hooks) == 1 and ra_hf.global_router_loss(model.config)
     with pytest.raises(ValueError, match="router auxiliary loss"):
         ra_hf.check_model(build("qwen3_moe", "ringattn"))  # unconverted
+    for name in ("gpt_neo", "falcon"):  # their constructors raise KeyError for "ringattn"
+        config, cls = FAMILIES[name]()
+        config._attn_implementation = "ringattn"
+        with pytest.raises(ValueError, match="convert" if name == "gpt_neo" else "itself"):
+            ra_hf.check_model(cls, config)

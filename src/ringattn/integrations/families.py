@@ -41,7 +41,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-__all__ = ["convert", "converted", "convertible", "global_router_loss"]
+__all__ = ["BUILT_EAGER", "convert", "converted", "convertible", "global_router_loss"]
 
 _CONVERTED: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 """Configs of converted models, by id (configs define ``__eq__``, so they are unhashable)."""
@@ -209,7 +209,11 @@ def _convert_temperature(model) -> int:
 
 _ALIBI = frozenset({"bloom", "mpt"})
 """Families whose attention modules (ALiBi, computed in the module) ``convert`` replaces."""
-_OWN_ATTENTION = frozenset({"xglm"})
+BUILT_EAGER = frozenset({"gpt_neo"})
+"""Families whose constructor looks its attention class up by attn_implementation in a dict
+of its own (a bare KeyError for "ringattn"): built with "eager", then converted (``convert``
+replaces the attention modules and sets the config's attention implementation)."""
+_OWN_ATTENTION = frozenset({"xglm", "gpt_neo"})
 """Families whose attention modules compute plain softmax attention themselves (no
 positional term inside): ``convert`` replaces them by ring attention."""
 _RELAY = {"stablelm": "StableLmAttention", "nemotron": "NemotronAttention"}
@@ -347,16 +351,53 @@ def _ring_xglm_attention(base):
     return RingXGLMAttention
 
 
-def _convert_own_attention(model) -> None:
-    """Replace XGLM's attention modules by ring attention."""
-    from transformers.models.xglm.modeling_xglm import XGLMAttention as base
+def _ring_gpt_neo_attention(base):
+    class RingGPTNeoSelfAttention(base):
+        """GPT-Neo's self-attention over the ring: its own projections, no score scaling,
+        its local layers' window (keys q - window_size < k <= q) as the sliding window."""
 
-    cls = _ring_xglm_attention(base)
-    found = [m for m in model.modules() if type(m) is base]
+        def forward(self, hidden_states, attention_mask=None, layer_past=None, use_cache=False,
+                    output_attentions=False, **kwargs):
+            from .transformers import ring_attention_forward
+
+            b, length, _ = hidden_states.shape
+            q, k, v = (self._split_heads(proj(hidden_states), self.num_heads, self.head_dim)
+                       for proj in (self.q_proj, self.k_proj, self.v_proj))
+            if layer_past is not None:
+                k, v = layer_past.update(k, v, self.layer_id)
+            window = self.config.window_size if self.attention_type == "local" else None
+            out, _ = ring_attention_forward(
+                self, q, k, v, attention_mask,
+                dropout=self.attn_dropout.p if self.training else 0.0, scaling=1.0,
+                sliding_window=window, output_attentions=output_attentions,
+                ring_context=_ring_context(self))
+            out = self.out_proj(out.reshape(b, length, -1))
+            return self.resid_dropout(out), None
+
+    return RingGPTNeoSelfAttention
+
+
+def _convert_own_attention(model) -> None:
+    """Replace XGLM's or GPT-Neo's attention modules by ring attention."""
+    from .transformers import NAME
+
+    if model.config.model_type == "xglm":
+        from transformers.models.xglm.modeling_xglm import XGLMAttention as base
+
+        cls = _ring_xglm_attention(base)
+    else:
+        from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention as base
+
+        cls = _ring_gpt_neo_attention(base)
+    found = tuple(m for m in model.modules() if type(m) is base)
     if not found:
         raise ValueError(f"{type(model).__name__} has no {base.__name__} to convert")
     for module in found:
         module.__class__ = cls
+    if model.config.model_type in BUILT_EAGER:  # its blocks do not pass keyword arguments
+        model.__dict__["_ring_attentions"] = found
+        model.register_forward_pre_hook(_context_pre_hook, with_kwargs=True)
+        model.config._attn_implementation = NAME  # the mask function, check_attention
 
 
 def _context_pre_hook(model, args, kwargs):

@@ -137,6 +137,13 @@ def check_model(model, config=None) -> None:
     cls = model if isinstance(model, type) else type(model)
     config = getattr(model, "config", None) if config is None else config
     family = getattr(config, "model_type", None)
+    if (isinstance(model, type) and family in BUILT_EAGER
+            and getattr(config, "_attn_implementation", None) == NAME):
+        raise ValueError(
+            f"{cls.__name__} cannot be built with attn_implementation={NAME!r}: transformers "
+            f"looks its attention class up in a dict of its own and raises KeyError. Build it "
+            f"with attn_implementation='eager', then call "
+            f"ringattn.integrations.transformers.convert(model)")
     if (hasattr(cls, "is_backend_compatible") and not cls.is_backend_compatible()
             and family not in CONVERTIBLE and not (
                 convertible(family) if isinstance(model, type) else converted(config))):
@@ -432,7 +439,7 @@ def register(name: str = NAME) -> str:
 
 from .context import average_gradients, context_parallel  # noqa: E402,F401 (re-exported)
 from .hybrid import CONVERTIBLE, convert_mixers, mixers_converted  # noqa: E402,F401 (re-exported)
-from .families import convert, converted, convertible, global_router_loss  # noqa: E402,F401 (re-exported)
+from .families import BUILT_EAGER, convert, converted, convertible, global_router_loss  # noqa: E402,F401 (re-exported)
 
 if __name__ == "__main__":  # a library module: name the programs, do not exit 0
     from ringattn._program import not_a_program
