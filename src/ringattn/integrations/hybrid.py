@@ -1,0 +1,283 @@
+"""Hybrid families under context parallelism: ``convert_mixers(model)``.
+
+transformers' hybrid decoders mix the sequence in layers that are not attention: Gated
+DeltaNet layers (a short causal convolution, then the gated delta rule: Qwen3-Next,
+Qwen3.5), short convolutions (LFM2) and Mamba2 layers (a short convolution, then the SSD
+scan: Granite 4 hybrids, Bamba). On a shard of the sequence those layers would see only
+this rank's tokens. ``convert_mixers`` replaces, on the model instance, each such layer by
+an instance of a subclass of its own class that shares its parameters, buffers and hooks
+(the module's ``__class__`` is set to the subclass: no parameter is copied, and
+``state_dict`` keys do not change); the subclass's forward computes the same function with
+``ringattn.mixers`` (``causal_conv1d``, ``gated_delta_rule``, ``mamba2_ssd``) on the
+batch's ``RingContext``, which reaches the layer in the keyword arguments transformers'
+decoder layers pass on (``ring_context``, from ``shard_batch`` / ``prepare_batch``).
+
+Nothing of transformers is patched. Without a ring context (one process: evaluation,
+generation) the converted layer runs transformers' own forward. Under a ring context it
+refuses a cache (training and prefill of whole sequences are served; pass
+``use_cache=False``).
+
+Padding: transformers zeroes the inputs of these layers at padded positions
+(``apply_mask_to_padding_states`` with the 2-D attention mask, and Mamba2 again after its
+convolution); the converted layer zeroes the same positions from the ring context's key
+padding, so a left-padded batch through ``prepare_batch`` gives one process's result.
+
+    from ringattn.integrations import transformers as ra_hf
+    ra_hf.register()
+    model = ra_hf.convert_mixers(Qwen3NextForCausalLM(config))   # attn_implementation="ringattn"
+    local = ra_hf.prepare_batch(model, batch, group=cp_group)
+    out = model(**local, use_cache=False)
+
+``check_model`` (and so ``prepare_batch``), the mask function and the attention function
+accept a converted model; an unconverted hybrid is refused with a message naming
+``convert_mixers``. Families whose layers ``convert_mixers`` does not know (Jamba's Mamba,
+RecurrentGemma's RG-LRU, MiniMax's lightning attention, Falcon-H1, ...) are refused by it
+with a ValueError naming the layer.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["CONVERTIBLE", "convert_mixers", "mixers_converted"]
+
+_CONVERTED: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+"""Configs of models whose every sequence mixer ``convert_mixers`` replaced, by id."""
+
+CONVERTIBLE = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5", "lfm2", "granitemoehybrid",
+                         "bamba"})
+"""model_type of the families whose non-attention layers ``convert_mixers`` serves. Their
+attention layers call transformers' attention interface (some of their model classes do
+not declare ``_supports_attention_backend``, which ``check_model`` otherwise reads as
+"computes attention itself"); the tests compare each with one process."""
+
+
+def mixers_converted(config) -> bool:
+    """Whether ``convert_mixers`` converted every sequence mixer of a model with ``config``."""
+    return config is not None and _CONVERTED.get(id(config)) is config
+
+
+# -- the ring context and padding ------------------------------------------------------------
+
+def _ring_args(ctx) -> dict:
+    """group, layout, seqlen, cu_seqlens of the mixers from a RingContext."""
+    return dict(group=ctx.group, layout=ctx.layout, seqlen=ctx.seqlen, cu_seqlens=ctx.cu_seqlens)
+
+
+def _keep(ctx, batch: int, device, dtype) -> torch.Tensor | None:
+    """[B, L, 1] 1 on this rank's slots that are not padding of their row, 0 on padding (what
+    transformers' 2-D attention mask is at those positions); None without padding."""
+    if ctx.mask is None:
+        return None
+    from ..masks import evaluate
+    from ..sharding import positions
+
+    pos = positions(ctx.seqlen, group=ctx.group, layout=ctx.layout, cu_seqlens=ctx.cu_seqlens)
+    pos = pos[0] if ctx.cu_seqlens is not None else pos
+    seen = evaluate(ctx.mask, ctx.seqlen, torch.zeros(1, dtype=pos.dtype), pos, batch, 1)
+    return seen[:, 0, 0, :].expand(batch, -1).to(device=device, dtype=dtype)[..., None]
+
+
+def _masked(hidden, keep):
+    return hidden if keep is None else (hidden * keep).to(hidden.dtype)
+
+
+def _context(module, kwargs):
+    """The ring context of this call, or None (one process); refuses what is not served."""
+    ctx = kwargs.get("ring_context")
+    if ctx is None:
+        return None
+    cache = next((kwargs[k] for k in ("cache", "cache_params", "past_key_values")
+                  if kwargs.get(k) is not None), None)
+    if cache is not None:
+        raise ValueError(f"{type(module).__name__} (converted by convert_mixers) got a cache "
+                         f"under context parallelism; call the model with use_cache=False")
+    ctx.record_call()
+    return ctx
+
+
+# -- the converted layers ------------------------------------------------------------------
+
+class _RingMixer:
+    """Mixin of the converted classes: transformers' forward without a ring context. Under
+    one, each chunk of the sequence is scanned by the family's own chunked function where
+    its module has one (``_family``: transformers' ``torch_chunk_gated_delta_rule`` or
+    ``mamba2_chunk_scan``, which transformers maps to flash-linear-attention's or
+    mamba-ssm's kernels where they are installed), else by ringattn.mixers' loop."""
+
+    _family = None
+
+    def forward(self, hidden_states, *args, **kwargs):
+        names = ("cache", "attention_mask")
+        for name, value in zip(names, args):  # the decoder layers pass keywords; be safe
+            kwargs[name] = value
+        ctx = _context(self, kwargs)
+        if ctx is None:
+            return super().forward(hidden_states, **kwargs)
+        return self._ring_forward(hidden_states, ctx)
+
+
+class _GatedDeltaNet(_RingMixer):
+    """Qwen3-Next / Qwen3.5 GatedDeltaNet: conv(q, k, v) then the gated delta rule."""
+
+    def _project(self, hidden):
+        """(mixed_qkv [B, L, 2 key_dim + value_dim], z [B, L, Hv, dv], b, a [B, L, Hv])."""
+        if hasattr(self, "in_proj_qkvz"):  # Qwen3-Next: grouped by key head
+            q, k, v, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(hidden),
+                                                                 self.in_proj_ba(hidden))
+            q, k, v = (t.reshape(t.shape[0], t.shape[1], -1) for t in (q, k, v))
+            return torch.cat((q, k, v), dim=-1), z, b, a
+        batch, length, _ = hidden.shape  # Qwen3.5: one projection each
+        z = self.in_proj_z(hidden).reshape(batch, length, -1, self.head_v_dim)
+        return self.in_proj_qkv(hidden), z, self.in_proj_b(hidden), self.in_proj_a(hidden)
+
+    def _ring_forward(self, hidden, ctx):
+        from ..mixers import causal_conv1d, gated_delta_rule
+
+        ring = _ring_args(ctx)
+        batch, length, _ = hidden.shape
+        hidden = _masked(hidden, _keep(ctx, batch, hidden.device, hidden.dtype))
+        mixed, z, b, a = self._project(hidden)
+        mixed = causal_conv1d(mixed, self.conv1d.weight, self.conv1d.bias,
+                              activation=self.activation, **ring)
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(batch, length, -1, self.head_k_dim)
+        k = k.reshape(batch, length, -1, self.head_k_dim)
+        v = v.reshape(batch, length, -1, self.head_v_dim)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        out = gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True,
+                               kernel=getattr(self._family, "torch_chunk_gated_delta_rule", None),
+                               **ring)
+        # transformers' kernel returns float32 for float32 q; ours returns v's dtype
+        out = self.norm(out.reshape(-1, out.shape[-1]), z.reshape(-1, z.shape[-1]))
+        return self.out_proj(out.reshape(batch, length, -1))
+
+
+class _ShortConv(_RingMixer):
+    """LFM2's short convolution: (B * x) convolved, times C."""
+
+    def _ring_forward(self, hidden, ctx):
+        from ..mixers import causal_conv1d
+
+        hidden = _masked(hidden, _keep(ctx, hidden.shape[0], hidden.device, hidden.dtype))
+        bm, cm, x = self.in_proj(hidden).chunk(3, dim=-1)
+        y = causal_conv1d(bm * x, self.conv.weight, self.conv.bias, **_ring_args(ctx))
+        return self.out_proj((cm * y).contiguous())
+
+
+class _Mamba2(_RingMixer):
+    """The Mamba2 layer of Granite 4 hybrids and Bamba: conv(x, B, C), then SSD, gated norm."""
+
+    def _ssd_kernel(self):
+        scan = getattr(self._family, "mamba2_chunk_scan", None)
+        return None if scan is None else functools.partial(scan, chunk_size=self.chunk_size)
+
+    def _ring_forward(self, hidden, ctx):
+        from ..mixers import causal_conv1d, mamba2_ssd
+
+        ring = _ring_args(ctx)
+        batch, length, _ = hidden.shape
+        dtype = hidden.dtype
+        keep = _keep(ctx, batch, hidden.device, dtype)
+        projected = self.in_proj(_masked(hidden, keep))
+        gate, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads],
+                                        dim=-1)
+        xbc = causal_conv1d(xbc, self.conv1d.weight, self.conv1d.bias,
+                            activation=self.activation, **ring)
+        xbc = _masked(xbc, keep)
+        groups_n = self.n_groups * self.ssm_state_size
+        x, bm, cm = torch.split(xbc, [self.intermediate_size, groups_n, groups_n], dim=-1)
+        y = mamba2_ssd(x.reshape(batch, length, self.num_heads, self.head_dim), dt,
+                       -torch.exp(self.A_log.float()),
+                       bm.reshape(batch, length, self.n_groups, self.ssm_state_size),
+                       cm.reshape(batch, length, self.n_groups, self.ssm_state_size),
+                       D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
+                       dt_limit=tuple(self.time_step_limit), kernel=self._ssd_kernel(), **ring)
+        y = self.norm(y.reshape(batch, length, -1), gate)
+        return self.out_proj(y.to(dtype))
+
+
+_LAYERS = {
+    "Qwen3NextGatedDeltaNet": _GatedDeltaNet,
+    "Qwen3_5GatedDeltaNet": _GatedDeltaNet,
+    "Lfm2ShortConv": _ShortConv,
+    "GraniteMoeHybridMambaLayer": _Mamba2,
+    "BambaMixer": _Mamba2,
+}
+"""transformers' sequence-mixer classes (by name) and the mixin of their converted class."""
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _converted_class(cls: type) -> type:
+    """The subclass of transformers' ``cls`` whose forward runs ringattn.mixers."""
+    if cls not in _SUBCLASSES:
+        _SUBCLASSES[cls] = type(f"Ring{cls.__name__}", (_LAYERS[cls.__name__], cls),
+                                {"__module__": __name__, "__qualname__": f"Ring{cls.__name__}",
+                                 "_family": sys.modules[cls.__module__]})
+    return _SUBCLASSES[cls]
+
+
+def _mixer_layers(config) -> int:
+    """How many layers the config's per-layer types (the fields _config_problem reads; some
+    configs hold the same list under two names) say are not attention."""
+    from .transformers import _ATTENTION_LAYER_TYPES, _LAYER_TYPE_FIELDS
+
+    counts = [sum(str(k) not in _ATTENTION_LAYER_TYPES for k in value)
+              for value in (getattr(config, field, None) for field in _LAYER_TYPE_FIELDS)
+              if isinstance(value, (list, tuple))]
+    return max(counts, default=0)
+
+
+def convert_mixers(model):
+    """Make the sequence mixers of a transformers hybrid model exact under ring attention.
+
+    Arguments:
+        model: a transformers model of a family in ``CONVERTIBLE`` (built with
+            attn_implementation="ringattn").
+
+    Returns:
+        ``model`` itself, each of its GatedDeltaNet, short-conv and Mamba2 layers now an
+        instance of a ``Ring...`` subclass of its class (same parameters and hooks) that
+        runs ``ringattn.mixers`` under a ring context. Converting twice is a no-op.
+
+    Raises:
+        TypeError: ``model`` is not a transformers model.
+        ValueError: the family has sequence layers ``convert_mixers`` does not serve (named),
+            or a layer of a non-attention type was not found.
+    """
+    config = getattr(model, "config", None)
+    if config is None or not isinstance(model, torch.nn.Module):
+        raise TypeError(f"convert_mixers takes a transformers model, got {type(model).__name__}")
+    family = getattr(config, "model_type", type(config).__name__)
+    if mixers_converted(config):
+        return model
+    if family not in CONVERTIBLE:
+        raise ValueError(f"convert_mixers does not serve {family}: its sequence layers are not "
+                         f"among {sorted(_LAYERS)} (families: {sorted(CONVERTIBLE)})")
+    done = 0
+    for module in model.modules():
+        cls = type(module)
+        if cls.__name__ in _LAYERS and cls.__module__.startswith("transformers."):
+            module.__class__ = _converted_class(cls)
+            done += 1
+        elif isinstance(module, _RingMixer):
+            done += 1
+    expected = _mixer_layers(config)
+    if done != expected or done == 0:
+        raise ValueError(f"convert_mixers found {done} sequence-mixer layers in "
+                         f"{type(model).__name__} but its config lists {expected} "
+                         f"non-attention layers")
+    _CONVERTED[id(config)] = config
+    return model
+
+
+if __name__ == "__main__":  # a library module: name the programs, do not exit 0
+    from ringattn._program import not_a_program
+    not_a_program(__spec__)
