@@ -209,11 +209,11 @@ def _convert_temperature(model) -> int:
 
 _ALIBI = frozenset({"bloom", "mpt"})
 """Families whose attention modules (ALiBi, computed in the module) ``convert`` replaces."""
-BUILT_EAGER = frozenset({"gpt_neo"})
+BUILT_EAGER = frozenset({"gpt_neo", "falcon"})
 """Families whose constructor looks its attention class up by attn_implementation in a dict
 of its own (a bare KeyError for "ringattn"): built with "eager", then converted (``convert``
 replaces the attention modules and sets the config's attention implementation)."""
-_OWN_ATTENTION = frozenset({"xglm", "gpt_neo"})
+_OWN_ATTENTION = frozenset({"xglm", "gpt_neo", "falcon"})
 """Families whose attention modules compute plain softmax attention themselves (no
 positional term inside): ``convert`` replaces them by ring attention."""
 _RELAY = {"stablelm": "StableLmAttention", "nemotron": "NemotronAttention"}
@@ -377,11 +377,47 @@ def _ring_gpt_neo_attention(base):
     return RingGPTNeoSelfAttention
 
 
+def _ring_falcon_attention(base):
+    class RingFalconAttention(base):
+        """Falcon's rotary self-attention over the ring: its own fused projection, head
+        split and rotary embedding, ring attention through the registered function."""
+
+        def forward(self, hidden_states, alibi, attention_mask, position_ids=None,
+                    layer_past=None, use_cache=False, output_attentions=False,
+                    position_embeddings=None, **kwargs):
+            from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb
+
+            from .transformers import ring_attention_forward
+
+            b, length, _ = hidden_states.shape
+            kv_heads = self.num_heads if self.new_decoder_architecture else self.num_kv_heads
+            q, k, v = self._split_heads(self.query_key_value(hidden_states))  # [B, L, h, D]
+            q, k, v = (t.transpose(1, 2).reshape(b, heads, length, self.head_dim) for t, heads in
+                       ((q, self.num_heads), (k, kv_heads), (v, kv_heads)))
+            cos, sin = position_embeddings
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            if layer_past is not None:
+                k, v = layer_past.update(k, v, self.layer_idx)
+            out, _ = ring_attention_forward(
+                self, q, k, v, attention_mask, scaling=self.inv_norm_factor,
+                output_attentions=output_attentions, ring_context=_ring_context(self))
+            return self.dense(out.reshape(b, length, -1)), None
+
+    return RingFalconAttention
+
+
 def _convert_own_attention(model) -> None:
-    """Replace XGLM's or GPT-Neo's attention modules by ring attention."""
+    """Replace XGLM's, GPT-Neo's or Falcon's attention modules by ring attention."""
     from .transformers import NAME
 
-    if model.config.model_type == "xglm":
+    if model.config.model_type == "falcon":
+        from transformers.models.falcon.modeling_falcon import FalconAttention as base
+
+        if model.config.alibi:
+            raise ValueError("ringattn converts Falcon with rotary embeddings, not with ALiBi "
+                             "(config.alibi=True: its bias is rounded to bfloat16)")
+        cls = _ring_falcon_attention(base)
+    elif model.config.model_type == "xglm":
         from transformers.models.xglm.modeling_xglm import XGLMAttention as base
 
         cls = _ring_xglm_attention(base)
