@@ -30,7 +30,8 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidde
                pad_token_id=0, bos_token_id=1, eos_token_id=2)
 _AUX = dict(output_router_logits=True, router_aux_loss_coef=0.1)
 """Router aux loss on, with a coefficient large enough that an error in it shows (Mixtral,
-Qwen3-MoE). Other MoE families leave it off so that their table row shows their own feature."""
+Qwen3-MoE, OLMoE, GraniteMoE: ``ra_hf.convert`` makes it global). Other MoE families leave it
+off so that their table row shows their own feature."""
 
 
 def _tf():
@@ -381,6 +382,19 @@ def _minimax():
                             layer_types=["linear_attention", "full_attention"]), tf.MiniMaxForCausalLM
 
 
+def _olmoe():
+    tf = _tf()
+    return tf.OlmoeConfig(**{**_COMMON, "intermediate_size": 32}, num_experts=4,
+                          num_experts_per_tok=2, **_AUX), tf.OlmoeForCausalLM
+
+
+def _granitemoe():
+    tf = _tf()
+    return tf.GraniteMoeConfig(**{**_COMMON, "intermediate_size": 32}, num_local_experts=4,
+                               num_experts_per_tok=2, embedding_multiplier=2.0,
+                               attention_multiplier=0.2, **_AUX), tf.GraniteMoeForCausalLM
+
+
 FAMILIES = {
     "llama": _llama,
     "mistral": _mistral,
@@ -433,6 +447,8 @@ FAMILIES = {
     "ministral": _ministral,
     "seed_oss": _seed_oss,
     "minimax": _minimax,
+    "olmoe": _olmoe,
+    "granitemoe": _granitemoe,
 }
 
 
@@ -490,6 +506,8 @@ FEATURES = {
     "ministral": "sliding + full layer",
     "seed_oss": "GQA, q/k/v bias",
     "minimax": "lightning (linear) attention layer + full layer, MoE",
+    "olmoe": "q/k norm, MoE + router aux loss",
+    "granitemoe": "multipliers, MoE + router aux loss",
 }
 """What each family's config exercises (for the survey's table)."""
 

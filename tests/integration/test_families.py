@@ -125,6 +125,8 @@ EXPECTED = {
     # router aux loss over the global token set (ra_hf.convert: all-reduced expert sums)
     "mixtral": EXACT,
     "qwen3_moe": EXACT,
+    "olmoe": EXACT,
+    "granitemoe": EXACT,
     # NoPE layers scale queries by position (ra_hf.convert: global positions, not local)
     "llama4": EXACT,
     # a dynamic, value-dependent mask passed as attention_mask
@@ -168,6 +170,8 @@ EXPECTED_SHARD = {
     # shard alone, so the attention function refuses it
     "mixtral": REFUSED,
     "qwen3_moe": REFUSED,
+    "olmoe": REFUSED,
+    "granitemoe": REFUSED,
     "llama4": REFUSED,
     "bloom": REFUSED,
     "mpt": REFUSED,
