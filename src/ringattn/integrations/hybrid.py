@@ -50,7 +50,7 @@ _CONVERTED: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictio
 """Configs of models whose every sequence mixer ``convert_mixers`` replaced, by id."""
 
 CONVERTIBLE = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5", "lfm2", "granitemoehybrid",
-                         "bamba"})
+                         "bamba", "mamba2", "nemotron_h", "falcon_h1"})
 """model_type of the families whose non-attention layers ``convert_mixers`` serves. Their
 attention layers call transformers' attention interface (some of their model classes do
 not declare ``_supports_attention_backend``, which ``check_model`` otherwise reads as
@@ -89,7 +89,7 @@ def _masked(hidden, keep):
 
 def _context(module, kwargs):
     """The ring context of this call, or None (one process); refuses what is not served."""
-    ctx = kwargs.get("ring_context")
+    ctx = kwargs.get("ring_context", module.__dict__.get("_ring_context"))
     if ctx is None:
         return None
     cache = next((kwargs[k] for k in ("cache", "cache_params", "past_key_values")
@@ -172,7 +172,8 @@ class _ShortConv(_RingMixer):
 
 
 class _Mamba2(_RingMixer):
-    """The Mamba2 layer of Granite 4 hybrids and Bamba: conv(x, B, C), then SSD, gated norm."""
+    """The Mamba2 layer (Mamba2, Granite 4 hybrids, Bamba, Nemotron-H, Falcon-H1 with its
+    multipliers): conv(x, B, C), then SSD, gated norm (or a SiLU gate)."""
 
     def _ssd_kernel(self):
         scan = getattr(self._family, "mamba2_chunk_scan", None)
@@ -185,7 +186,12 @@ class _Mamba2(_RingMixer):
         batch, length, _ = hidden.shape
         dtype = hidden.dtype
         keep = _keep(ctx, batch, hidden.device, dtype)
-        projected = self.in_proj(_masked(hidden, keep))
+        hidden = _masked(hidden, keep)
+        if hasattr(self, "ssm_in_multiplier"):  # Falcon-H1's multipliers
+            hidden = hidden * self.ssm_in_multiplier
+        projected = self.in_proj(hidden)
+        if hasattr(self, "mup_vector"):
+            projected = projected * self.mup_vector
         gate, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads],
                                         dim=-1)
         xbc = causal_conv1d(xbc, self.conv1d.weight, self.conv1d.bias,
@@ -199,7 +205,11 @@ class _Mamba2(_RingMixer):
                        cm.reshape(batch, length, self.n_groups, self.ssm_state_size),
                        D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
                        dt_limit=tuple(self.time_step_limit), kernel=self._ssd_kernel(), **ring)
-        y = self.norm(y.reshape(batch, length, -1), gate)
+        y = y.reshape(batch, length, -1)
+        if getattr(self, "mamba_rms_norm", True):
+            y = self.norm(y, gate)
+        else:  # Falcon-H1 without its gated norm
+            y = y * F.silu(gate)
         return self.out_proj(y.to(dtype))
 
 
@@ -209,6 +219,9 @@ _LAYERS = {
     "Lfm2ShortConv": _ShortConv,
     "GraniteMoeHybridMambaLayer": _Mamba2,
     "BambaMixer": _Mamba2,
+    "Mamba2Mixer": _Mamba2,
+    "NemotronHMamba2Mixer": _Mamba2,
+    "FalconH1Mixer": _Mamba2,
 }
 """transformers' sequence-mixer classes (by name) and the mixin of their converted class."""
 
@@ -224,15 +237,20 @@ def _converted_class(cls: type) -> type:
     return _SUBCLASSES[cls]
 
 
-def _mixer_layers(config) -> int:
+_NOT_MIXERS = frozenset({"mlp", "moe"})
+"""Entries of per-layer type lists that mix no sequence (Nemotron-H's feed-forward layers)."""
+
+
+def _mixer_layers(config) -> int | None:
     """How many layers the config's per-layer types (the fields _config_problem reads; some
-    configs hold the same list under two names) say are not attention."""
+    configs hold the same list under two names) say are sequence mixers other than
+    attention; None for a config without such a list (Mamba2: every layer is one)."""
     from .transformers import _ATTENTION_LAYER_TYPES, _LAYER_TYPE_FIELDS
 
-    counts = [sum(str(k) not in _ATTENTION_LAYER_TYPES for k in value)
+    counts = [sum(str(k) not in _ATTENTION_LAYER_TYPES | _NOT_MIXERS for k in value)
               for value in (getattr(config, field, None) for field in _LAYER_TYPE_FIELDS)
               if isinstance(value, (list, tuple))]
-    return max(counts, default=0)
+    return max(counts, default=None)
 
 
 def convert_mixers(model):
@@ -270,12 +288,30 @@ def convert_mixers(model):
         elif isinstance(module, _RingMixer):
             done += 1
     expected = _mixer_layers(config)
-    if done != expected or done == 0:
+    if done == 0 or done != (done if expected is None else expected):
         raise ValueError(f"convert_mixers found {done} sequence-mixer layers in "
                          f"{type(model).__name__} but its config lists {expected} "
                          f"non-attention layers")
+    if family in _KWARGS_STOP:  # the CausalLM does not pass ring_context on to its layers
+        model.register_forward_pre_hook(_hand_context, with_kwargs=True)
     _CONVERTED[id(config)] = config
     return model
+
+
+_KWARGS_STOP = frozenset({"mamba2"})
+"""Families whose CausalLM does not pass its keyword arguments on to the layers
+(Mamba2ForCausalLM calls its backbone with named arguments only): a forward pre-hook on
+the model hands each converted layer the call's ring_context. The layer keeps it until the
+next call of the model, so gradient checkpointing's recomputation in the backward sees it;
+interleaving two CP batches' forwards before their backwards is not served there."""
+
+
+def _hand_context(model, args, kwargs):
+    ctx = kwargs.get("ring_context")
+    for module in model.modules():
+        if isinstance(module, _RingMixer):
+            module._ring_context = ctx
+    return None
 
 
 if __name__ == "__main__":  # a library module: name the programs, do not exit 0

@@ -1,0 +1,207 @@
+"""Hybrid families converted by ``ra_hf.convert_mixers`` equal one process under context
+parallelism.
+
+For each converted family (Gated DeltaNet: Qwen3-Next, Qwen3.5; short convolution: LFM2;
+Mamba2: Granite 4 hybrid, Bamba, Mamba2, Nemotron-H, Falcon-H1 with and without its gated
+RMSNorm), batch kind ("plain", "padded": row 1 left-padded by 7,
+as in the family survey) and world size W (2, 3; S = 37 divides neither 2W), every rank
+runs the one-process reference (transformers' "eager" attention and its own mixers on the
+whole batch, with the 2-D attention mask) and the CP run: the model built with
+attn_implementation="ringattn", ``convert_mixers``, ``prepare_batch`` (zigzag) and
+``model(**local)``. Gathered logits on real tokens, the sum of the ranks' losses and every
+parameter gradient summed over the ranks must be within 1e-5 of the reference (the
+survey's ``_errors``). All cases of one W run in ONE cluster call.
+
+Also: the converted model without a ring context is transformers' model (one process),
+an unconverted hybrid is refused on every rank with a message naming ``convert_mixers``,
+a family it does not serve is refused by ``convert_mixers``, and a cache under CP is
+refused.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from families import FAMILIES, _COMMON, build
+from reference import rel_err
+from test_families import LAYOUT, SEQLEN, TOL, _errors
+from test_transformers import _batch
+
+pytest.importorskip("transformers")
+
+KINDS = {"plain": "plain", "padded": "left-padding"}
+WORLDS = (2, 3)
+GROUP_TIMEOUT_S = 30.0
+
+
+def _qwen3_5():
+    import transformers as tf
+
+    return tf.Qwen3_5TextConfig(
+        **_COMMON, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        layer_types=["linear_attention", "full_attention"],
+    ), tf.Qwen3_5ForCausalLM
+
+
+def _bamba():
+    import transformers as tf
+
+    return tf.BambaConfig(**_COMMON, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32,
+                          mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=8), \
+        tf.BambaForCausalLM
+
+
+def _mamba2():
+    import transformers as tf
+
+    return tf.Mamba2Config(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_heads=4,
+                           head_dim=32, expand=2, state_size=8, n_groups=2, chunk_size=8,
+                           pad_token_id=0, bos_token_id=1, eos_token_id=2), tf.Mamba2ForCausalLM
+
+
+def _nemotron_h():
+    import transformers as tf
+
+    return tf.NemotronHConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, layers_block_type=["linear_attention", "full_attention", "mlp"],
+        mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=8, n_groups=2, chunk_size=8,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2), tf.NemotronHForCausalLM
+
+
+def _falcon_h1_norm():
+    cfg, cls = FAMILIES["falcon_h1"]()
+    cfg.mamba_rms_norm = True  # the gated RMSNorm instead of the SiLU gate
+    return cfg, cls
+
+
+EXTRA = {"qwen3_5": _qwen3_5, "bamba": _bamba, "mamba2": _mamba2, "nemotron_h": _nemotron_h,
+         "falcon_h1_norm": _falcon_h1_norm}
+"""Families the survey (tests/families.py) does not build yet."""
+
+CONVERTED = ("qwen3_next", "qwen3_5", "lfm2", "granitemoehybrid", "bamba", "mamba2",
+             "nemotron_h", "falcon_h1", "falcon_h1_norm")
+
+
+def _build(name: str, attn: str):
+    if name in FAMILIES:
+        return build(name, attn)
+    cfg, cls = EXTRA[name]()
+    cfg._attn_implementation = attn
+    torch.manual_seed(0)
+    return cls(cfg).float()
+
+
+def _cp_run(name: str, batch: dict, group):
+    from ringattn.integrations import transformers as ra_hf
+
+    model = ra_hf.convert_mixers(_build(name, "ringattn"))
+    local = ra_hf.prepare_batch(model, batch, group=group, layout=LAYOUT)
+    out = model(**local, use_cache=False)
+    local["ring_context"].check_consumed(model)
+    out.loss.backward()
+    return model, out
+
+
+def exact_cases(names) -> dict:
+    """Rank function: {(family, kind): errors or "Error: message"}."""
+    from ringattn.integrations import transformers as ra_hf
+
+    ra_hf.register()
+    results = {}
+    for kind, batch_kind in KINDS.items():
+        batch = _batch(batch_kind, SEQLEN)
+        for name in names:
+            ref_model = _build(name, "eager")
+            ref = ref_model(**batch, use_cache=False)
+            ref.loss.backward()
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+            try:
+                model, out = _cp_run(name, batch, group)
+                results[(name, kind)] = _errors(batch, ref_model, ref, model, out, group)
+            except Exception as exc:  # reported per case by the test
+                results[(name, kind)] = f"{type(exc).__name__}: {exc}"
+            dist.destroy_process_group(group)
+    # the converted model without a ring context is transformers' own (one process)
+    batch = _batch("left-padding", SEQLEN)
+    for name in names:
+        ref = _build(name, "eager")(**batch, use_cache=False)
+        mine = ra_hf.convert_mixers(_build(name, "eager"))(**batch, use_cache=False)
+        results[(name, "no ring context")] = {"logits": rel_err(mine.logits, ref.logits),
+                                              "loss": rel_err(mine.loss, ref.loss)}
+    return results
+
+
+@pytest.fixture(scope="module")
+def exact(clusters):
+    done = {}
+
+    def get(world):
+        if world not in done:
+            done[world] = clusters(world).run(exact_cases, list(CONVERTED), timeout=240)
+        return done[world]
+
+    return get
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("kind", [*KINDS, "no ring context"])
+@pytest.mark.parametrize("family", CONVERTED)
+def test_converted_family_equals_one_process(exact, worst_errors, family, kind, world):
+    for rank, results in enumerate(exact(world)):
+        errs = results[(family, kind)]
+        assert isinstance(errs, dict), f"{family}, {kind}, W={world}, rank {rank}: {errs}"
+        for what in ("logits", "loss", "grads"):
+            if what in errs:
+                assert errs[what] <= TOL, (f"{family}, {kind}, W={world}, rank {rank}: {what} "
+                                           f"{errs[what]:.2e} ({errs})")
+        assert "grads" in errs or kind == "no ring context"
+        if "grads" in errs:
+            for what in ("logits", "loss", "grads"):
+                key = ("HF hybrids", what)
+                worst_errors[key] = max(worst_errors.get(key, (0.0, TOL)), (errs[what], TOL))
+
+
+def refusals() -> list:
+    """Rank function: the messages of what must be refused, on this rank."""
+    from ringattn.integrations import transformers as ra_hf
+
+    ra_hf.register()
+    batch = _batch("plain", SEQLEN)
+    said = []
+    for attempt in (
+        lambda: ra_hf.prepare_batch(_build("qwen3_next", "ringattn"), batch),  # unconverted
+        lambda: ra_hf.check_model(*reversed(FAMILIES["lfm2"]())),  # a class, unconverted
+        lambda: ra_hf.convert_mixers(_build("jamba", "ringattn")),  # not served
+        lambda: ra_hf.convert_mixers(torch.nn.Linear(2, 2)),
+    ):
+        try:
+            attempt()
+            said.append(None)
+        except (TypeError, ValueError) as exc:
+            said.append(f"{type(exc).__name__}: {exc}")
+    model = ra_hf.convert_mixers(_build("lfm2", "ringattn"))
+    try:  # a cache under CP: every rank refuses (the same call on every rank)
+        model(**ra_hf.prepare_batch(model, batch), use_cache=True)
+        said.append(None)
+    except ValueError as exc:
+        said.append(f"ValueError: {exc}")
+    return said
+
+
+@pytest.mark.timeout(120)
+def test_refusals_on_every_rank(clusters):
+    for rank, said in enumerate(clusters(2).run(refusals, timeout=90)):
+        unconverted, cls, jamba, linear, cache = said
+        assert unconverted and "convert_mixers" in unconverted and "linear_attention" in unconverted, (
+            rank, unconverted)
+        assert cls and "convert_mixers" in cls and "conv" in cls, (rank, cls)
+        assert jamba and "jamba" in jamba and jamba.startswith("ValueError"), (rank, jamba)
+        assert linear and linear.startswith("TypeError") and "Linear" in linear, (rank, linear)
+        assert cache and "use_cache=False" in cache, (rank, cache)
