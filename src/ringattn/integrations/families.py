@@ -18,10 +18,22 @@ computes from the whole sequence, so registering ring attention is not enough:
   scales the output of its ``q_proj`` (a forward hook) by the same function of each local
   slot's GLOBAL position (from the batch's ``RingContext``: layout, S, documents), which is
   what one process computes; without a ring context, by the positions transformers uses.
+* Families that compute attention in their own modules: BLOOM and MPT (ALiBi: ring
+  attention with their slopes as ``alibi_slopes``), XGLM, Falcon (rotary) and GPT-Neo
+  (unscaled scores, windowed local layers). ``convert`` swaps those module instances' class
+  for a subclass that keeps their projections (and rotary embedding) and calls ring
+  attention. Falcon and GPT-Neo cannot be built with "ringattn" (their constructors look
+  the attention class up in a dict of their own: KeyError), so they are built with "eager"
+  and ``convert`` selects ring attention (``BUILT_EAGER``).
+* StableLM and Nemotron, whose decoder layers do not pass the batch's keyword arguments to
+  their attention: ``convert`` hands their attention modules the batch's ``ring_context``.
+  Families whose layers drop keyword arguments get it from a forward pre-hook on the model
+  (the context of the latest forward: gradient checkpointing recomputes within a step).
 
 Nothing of transformers is patched: ``convert`` registers torch hooks on the model's own
-modules and records the config as converted, which lets ``check_model``, the mask function
-and the attention function accept what it made global. It returns the model:
+modules, swaps the class of attention module instances, and records the config as
+converted, which lets ``check_model``, the mask function and the attention function accept
+what it made exact. It returns the model:
 
     from ringattn.integrations import transformers as ra_hf
     ra_hf.register()
