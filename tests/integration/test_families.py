@@ -229,7 +229,7 @@ def _reference(name: str, batch: dict):
     return model, out
 
 
-def _context_parallel(name: str, batch: dict, group, path: str):
+def _context_parallel(name: str, batch: dict, group, path: str, layout: str = LAYOUT):
     """The family under ring attention on this rank's shard, through ``path``: "prepare"
     (the documented safe path: ``check_model`` on the class, ``prepare_batch``,
     ``check_consumed`` after the forward) or "shard" (``ra.shard_batch`` and the model,
@@ -248,9 +248,9 @@ def _context_parallel(name: str, batch: dict, group, path: str):
         raise _Unbuildable(f"{type(exc).__name__}: {exc}") from exc
     if path == "prepare":
         model = ra_hf.convert(model)  # global router loss, Llama 4's global temperature
-        local = ra_hf.prepare_batch(model, batch, group=group, layout=LAYOUT)
+        local = ra_hf.prepare_batch(model, batch, group=group, layout=layout)
     else:
-        local = ra.shard_batch(batch, group=group, layout=LAYOUT)
+        local = ra.shard_batch(batch, group=group, layout=layout)
     out = model(**local, use_cache=False)
     if path == "prepare":
         local["ring_context"].check_consumed(model)
@@ -258,10 +258,10 @@ def _context_parallel(name: str, batch: dict, group, path: str):
     return model, out
 
 
-def _errors(batch: dict, ref_model, ref, model, out, group) -> dict:
+def _errors(batch: dict, ref_model, ref, model, out, group, layout: str = LAYOUT) -> dict:
     """Relative errors of the CP run (gathered logits, summed loss and gradients)."""
     loss = out.loss.detach().clone()
-    logits_BSV = ra.unshard(out.logits.detach(), group=group, layout=LAYOUT, seqlen=SEQLEN)
+    logits_BSV = ra.unshard(out.logits.detach(), group=group, layout=layout, seqlen=SEQLEN)
     grads = _flat_grads(model)
     dist.all_reduce(loss, group=group)
     dist.all_reduce(grads, group=group)
@@ -283,14 +283,15 @@ def _errors(batch: dict, ref_model, ref, model, out, group) -> dict:
     return errs
 
 
-def _one_path(name: str, batch: dict, group, path: str, ref_model, ref) -> tuple[str, object]:
+def _one_path(name: str, batch: dict, group, path: str, ref_model, ref,
+              layout: str = LAYOUT) -> tuple[str, object]:
     """(outcome, detail) of one family through one path on this rank; never raises."""
     try:
-        model, out = _context_parallel(name, batch, group, path)
+        model, out = _context_parallel(name, batch, group, path, layout)
     except Exception as exc:  # one family's failure is its outcome, not the run's
         return _failure(exc)
     try:
-        errs = _errors(batch, ref_model, ref, model, out, group)
+        errs = _errors(batch, ref_model, ref, model, out, group, layout)
     except Exception as exc:  # e.g. another rank failed and left this one in a collective
         outcome, msg = _failure(exc)
         return (outcome if outcome == "hang" else "crash"), f"comparing: {msg}"
@@ -298,7 +299,8 @@ def _one_path(name: str, batch: dict, group, path: str, ref_model, ref) -> tuple
     return (EXACT if ok else "WRONG"), errs
 
 
-def survey(names, kind: str, group_timeout_s: float = GROUP_TIMEOUT_S) -> dict:
+def survey(names, kind: str, group_timeout_s: float = GROUP_TIMEOUT_S, layout: str = LAYOUT,
+           paths=PATHS) -> dict:
     """Rank function: ``{(family, path): (outcome, detail)}`` for the families ``names`` on
     batch ``kind`` through both PATHS; ``detail`` holds the errors (exact, WRONG) or the
     message (the others). Each run gets a fresh group, so a collective left pending by a
@@ -312,12 +314,12 @@ def survey(names, kind: str, group_timeout_s: float = GROUP_TIMEOUT_S) -> dict:
         try:
             ref_model, ref = _reference(name, batch)
         except Exception as exc:  # a broken config, not a CP outcome
-            for path in PATHS:
+            for path in paths:
                 results[(name, path)] = ("crash", f"reference: {_failure(exc)[1]}")
             continue
-        for path in PATHS:
+        for path in paths:
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=group_timeout_s))
-            results[(name, path)] = _one_path(name, batch, group, path, ref_model, ref)
+            results[(name, path)] = _one_path(name, batch, group, path, ref_model, ref, layout)
             if results[(name, path)][0] != "hang":  # a timed-out group may hold a pending op
                 dist.destroy_process_group(group)
     return results
@@ -387,3 +389,21 @@ def test_convert_refuses_what_it_cannot_make_exact():
         config._attn_implementation = "ringattn"
         with pytest.raises(ValueError, match="Build it with attn_implementation='eager'"):
             ra_hf.check_model(cls, config)
+
+
+CONVERTED = ("mixtral", "llama4", "bloom", "falcon", "gpt_neo", "stablelm")
+"""One family of each kind of conversion ``ra_hf.convert`` makes."""
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", ["contiguous", "striped"])
+def test_converted_families_are_exact_in_other_layouts(clusters, layout):
+    """The conversions take positions from the batch's layout: the router's real tokens,
+    Llama 4's temperature, ALiBi's and the windows' global positions (W 2, left-padded)."""
+    names = [n for n in CONVERTED if n in SELECTED]
+    results = clusters(2).run(survey, names, "padded", GROUP_TIMEOUT_S, layout, ("prepare",),
+                              timeout=480)
+    for rank, res in enumerate(results):
+        for name in names:
+            outcome, detail = res[(name, "prepare")]
+            assert outcome == EXACT, f"{name}, {layout}, rank {rank}: {outcome}: {detail}"
