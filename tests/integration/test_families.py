@@ -384,6 +384,10 @@ def test_convert_refuses_what_it_cannot_make_exact():
     assert len(model._forward_hooks) == 1 and ra_hf.global_router_loss(model.config)
     with pytest.raises(ValueError, match="router auxiliary loss"):
         ra_hf.check_model(build("qwen3_moe", "ringattn"))  # unconverted
+    config, cls = FAMILIES["falcon"]()
+    config.alibi = True  # its bias is rounded to bfloat16: not converted
+    with pytest.raises(ValueError, match="ALiBi"):
+        ra_hf.convert(cls(config))
     for name in ("gpt_neo", "falcon"):  # their constructors raise KeyError for "ringattn"
         config, cls = FAMILIES[name]()
         config._attn_implementation = "ringattn"
