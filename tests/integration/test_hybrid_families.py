@@ -4,7 +4,9 @@ parallelism.
 For each converted family (Gated DeltaNet: Qwen3-Next, Qwen3.5; short convolution: LFM2;
 Mamba2: Granite 4 hybrid, Bamba, Mamba2, Nemotron-H, Falcon-H1 with and without its gated
 RMSNorm), batch kind ("plain", "padded": row 1 left-padded by 7,
-as in the family survey) and world size W (2, 3; S = 37 divides neither 2W), every rank
+as in the family survey; "packed": one row of five documents of 1 to 15 tokens, their
+positions restarting at 0, compared with one process running each document as its own
+sequence) and world size W (2, 3; S = 37 divides neither 2W), every rank
 runs the one-process reference (transformers' "eager" attention and its own mixers on the
 whole batch, with the 2-D attention mask) and the CP run: the model built with
 attn_implementation="ringattn", ``convert_mixers``, ``prepare_batch`` (zigzag) and
@@ -28,12 +30,13 @@ import torch.distributed as dist
 
 from families import FAMILIES, _COMMON, build
 from reference import rel_err
-from test_families import LAYOUT, SEQLEN, TOL, _errors
+import ringattn as ra
+from test_families import GRAD_FLOOR, LAYOUT, SEQLEN, TOL, _errors, _flat_grads
 from test_transformers import _batch
 
 pytest.importorskip("transformers")
 
-KINDS = {"plain": "plain", "padded": "left-padding"}
+KINDS = {"plain": "plain", "padded": "left-padding", "packed": "packed"}
 WORLDS = (2, 3)
 GROUP_TIMEOUT_S = 30.0
 
@@ -105,7 +108,50 @@ def _cp_run(name: str, batch: dict, group):
     out = model(**local, use_cache=False)
     local["ring_context"].check_consumed(model)
     out.loss.backward()
-    return model, out
+    return model, out, local["ring_context"].cu_seqlens
+
+
+def _packed_errors(ref_model, ref, model, out, group, cu) -> dict:
+    """``_errors`` (the survey's) for a packed row, whose shards follow its documents."""
+    loss = out.loss.detach().clone()
+    logits = ra.unshard(out.logits.detach(), group=group, layout=LAYOUT, seqlen=SEQLEN,
+                        cu_seqlens=cu)
+    grads = _flat_grads(model)
+    dist.all_reduce(loss, group=group)
+    dist.all_reduce(grads, group=group)
+    ref_grads = _flat_grads(ref_model).double()
+    diff = (grads.double() - ref_grads)
+    floor = GRAD_FLOOR * float(ref_grads.norm())
+    worst, start = 0.0, 0
+    for p in ref_model.parameters():
+        d, r = diff[start:start + p.numel()], ref_grads[start:start + p.numel()]
+        start += p.numel()
+        err = float(d.norm()) / max(float(r.norm()), floor)
+        worst = max(worst, err if err == err else float("inf"))
+    return {"logits": rel_err(logits, ref.logits), "loss": rel_err(loss, ref.loss),
+            "grads": worst}
+
+
+def _per_document(name: str, batch: dict):
+    """One process on a packed row, as one sequence per document (the state and the
+    convolution start afresh in each; transformers' torch mixers would carry them across
+    documents of a packed row): (model with gradients, output with logits and loss)."""
+    from types import SimpleNamespace
+
+    ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"][0]
+    starts = [*torch.nonzero(pos == 0).flatten().tolist(), ids.shape[1]]
+    model = _build(name, "eager")
+    logits, total, count = [], 0.0, 0
+    for a, b in zip(starts[:-1], starts[1:]):
+        out = model(input_ids=ids[:, a:b], use_cache=False)
+        logits.append(out.logits)
+        if b - a > 1:  # targets a+1 .. b-1, predicted from a .. b-2
+            ce = torch.nn.functional.cross_entropy(out.logits[0, :-1].float(), labels[0, a + 1:b],
+                                                   reduction="sum")
+            total, count = total + ce, count + (b - a - 1)
+    loss = total / count
+    loss.backward()
+    return model, SimpleNamespace(logits=torch.cat(logits, dim=1), loss=loss)
 
 
 def exact_cases(names) -> dict:
@@ -117,13 +163,19 @@ def exact_cases(names) -> dict:
     for kind, batch_kind in KINDS.items():
         batch = _batch(batch_kind, SEQLEN)
         for name in names:
-            ref_model = _build(name, "eager")
-            ref = ref_model(**batch, use_cache=False)
-            ref.loss.backward()
+            if kind == "packed":
+                ref_model, ref = _per_document(name, batch)
+            else:
+                ref_model = _build(name, "eager")
+                ref = ref_model(**batch, use_cache=False)
+                ref.loss.backward()
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
             try:
-                model, out = _cp_run(name, batch, group)
-                results[(name, kind)] = _errors(batch, ref_model, ref, model, out, group)
+                model, out, cu = _cp_run(name, batch, group)
+                if kind == "packed":
+                    results[(name, kind)] = _packed_errors(ref_model, ref, model, out, group, cu)
+                else:
+                    results[(name, kind)] = _errors(batch, ref_model, ref, model, out, group)
             except Exception as exc:  # reported per case by the test
                 results[(name, kind)] = f"{type(exc).__name__}: {exc}"
             dist.destroy_process_group(group)
