@@ -30,7 +30,7 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidde
                pad_token_id=0, bos_token_id=1, eos_token_id=2)
 _AUX = dict(output_router_logits=True, router_aux_loss_coef=0.1)
 """Router aux loss on, with a coefficient large enough that an error in it shows (Mixtral,
-Qwen3-MoE, OLMoE, GraniteMoE: ``ra_hf.convert`` makes it global). Other MoE families leave it
+Qwen3-MoE, OLMoE, GraniteMoE, FlexOlmo: ``ra_hf.convert`` makes it global). Other MoE families leave it
 off so that their table row shows their own feature."""
 
 
@@ -382,6 +382,35 @@ def _minimax():
                             layer_types=["linear_attention", "full_attention"]), tf.MiniMaxForCausalLM
 
 
+def _olmo():
+    tf = _tf()
+    return tf.OlmoConfig(**_COMMON, clip_qkv=0.5), tf.OlmoForCausalLM
+
+
+def _glm():
+    tf = _tf()
+    return tf.GlmConfig(**_COMMON, head_dim=16), tf.GlmForCausalLM
+
+
+def _apertus():
+    tf = _tf()
+    return tf.ApertusConfig(**_COMMON), tf.ApertusForCausalLM
+
+
+def _persimmon():
+    tf = _tf()
+    return tf.PersimmonConfig(**{k: v for k, v in _COMMON.items() if k != "num_key_value_heads"},
+                              qk_layernorm=True, hidden_dropout=0.0, attention_dropout=0.0,
+                              rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                   partial_rotary_factor=0.5)), tf.PersimmonForCausalLM
+
+
+def _flex_olmo():
+    tf = _tf()
+    return tf.FlexOlmoConfig(**{**_COMMON, "intermediate_size": 32}, num_experts=4,
+                             num_experts_per_tok=2, **_AUX), tf.FlexOlmoForCausalLM
+
+
 def _olmoe():
     tf = _tf()
     return tf.OlmoeConfig(**{**_COMMON, "intermediate_size": 32}, num_experts=4,
@@ -449,6 +478,11 @@ FAMILIES = {
     "minimax": _minimax,
     "olmoe": _olmoe,
     "granitemoe": _granitemoe,
+    "flex_olmo": _flex_olmo,
+    "olmo": _olmo,
+    "glm": _glm,
+    "apertus": _apertus,
+    "persimmon": _persimmon,
 }
 
 
@@ -508,6 +542,11 @@ FEATURES = {
     "minimax": "lightning (linear) attention layer + full layer, MoE",
     "olmoe": "q/k norm, MoE + router aux loss",
     "granitemoe": "multipliers, MoE + router aux loss",
+    "flex_olmo": "q/k norm, MoE + router aux loss",
+    "olmo": "clip_qkv 0.5, non-parametric LayerNorm",
+    "glm": "partial rotary (interleaved)",
+    "apertus": "xIELU activation, q/k norm, llama3 RoPE",
+    "persimmon": "partial rotary 0.5, q/k layernorm, fused qkv",
 }
 """What each family's config exercises (for the survey's table)."""
 

@@ -107,6 +107,10 @@ EXPECTED = {
     "helium": EXACT,
     "ministral": EXACT,
     "seed_oss": EXACT,
+    "olmo": EXACT,
+    "glm": EXACT,
+    "apertus": EXACT,
+    "persimmon": EXACT,
     # score modifications passed to the attention function: softcap=, s_aux= (sinks)
     "gemma2": EXACT,
     "gpt_oss": EXACT,
@@ -127,6 +131,7 @@ EXPECTED = {
     "qwen3_moe": EXACT,
     "olmoe": EXACT,
     "granitemoe": EXACT,
+    "flex_olmo": EXACT,
     # NoPE layers scale queries by position (ra_hf.convert: global positions, not local)
     "llama4": EXACT,
     # a dynamic, value-dependent mask passed as attention_mask
@@ -172,6 +177,7 @@ EXPECTED_SHARD = {
     "qwen3_moe": REFUSED,
     "olmoe": REFUSED,
     "granitemoe": REFUSED,
+    "flex_olmo": REFUSED,
     "llama4": REFUSED,
     "bloom": REFUSED,
     "mpt": REFUSED,
