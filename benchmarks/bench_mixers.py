@@ -55,13 +55,17 @@ method back to back (order rotated per round; a CP time is the slowest rank's, b
 before, all-reduce MAX after) and gives its own ratio cp-W / 1p. The tables give the
 median (range) of the rounds' ratios.
 
-    python benchmarks/bench_mixers.py --quick    # S 2048, 8192; 2 rounds (see RESULTS.md)
-    python benchmarks/bench_mixers.py            # S 4096, 16384; 3 rounds
-    python benchmarks/bench_mixers.py --smoke    # S 512, 1 round, to results/smoke/
+Then ``breakdown``: where the gated delta rule's CP time goes (one chunk's transition map
+against transformers' kernel scanning the chunk; see its docstring).
+
+    python benchmarks/bench_mixers.py --quick    # S 2048, 8192; 2 rounds: 7 min at load ~15
+    python benchmarks/bench_mixers.py            # S 4096, 16384; 3 rounds: 10 min at load ~12
+    python benchmarks/bench_mixers.py --smoke    # S 512, 1 round, to results/smoke/: 2 min
+    python benchmarks/bench_mixers.py --breakdown-only   # the breakdown alone: 30 s
     python benchmarks/bench_mixers.py --replot   # redraw mixers.png from mixers.json
 
 Writes ``<out>/mixers.json`` (every round, per-rank peaks and collectives, errors, machine,
-load average) and ``mixers.png``.
+load average), ``mixers.png`` and ``mixers_breakdown.json``.
 """
 
 from __future__ import annotations
@@ -466,6 +470,66 @@ def plot(data: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def breakdown(seqlens, worlds, rounds, out_dir: Path) -> dict:
+    """Where the gated delta rule's CP time and memory go, in this process (one thread): on
+    a chunk of n = S / (2W) tokens (a zigzag chunk) of the ``gdn`` block's shapes, fwd+bwd
+    of the chunk's transition map (``ringattn.mixers.families._gdn_transition``, which
+    every rank but rank 0 computes for each of its two chunks) against transformers'
+    chunked kernel scanning the same n tokens from an entering state, paired rounds; and
+    each one's peak tensor bytes. Writes ``<out>/mixers_breakdown.json``."""
+    from ringattn.mixers.families import _gdn_transition
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    torch.set_num_threads(1)
+    h, dk, dv = GDN["hv"], GDN["dk"], GDN["dv"]
+    data = {"machine": machine_info(), "gdn": GDN, "chunk": CHUNK, "rounds": rounds, "cases": [],
+            "loadavg": {"start": os.getloadavg()}}
+    for s in seqlens:
+        for w in worlds:
+            if w == 1:
+                continue
+            n = s // (2 * w)
+            g = torch.Generator().manual_seed(n)
+            q, k = (F.normalize(torch.randn(1, n, h, dk, generator=g), dim=-1) for _ in range(2))
+            v = torch.randn(1, n, h, dv, generator=g)
+            gg = -torch.rand(1, n, h, generator=g) / 10
+            beta = torch.rand(1, n, h, generator=g)
+            state = torch.randn(1, h, dk, dv, generator=g)
+            leaves = [t.requires_grad_() for t in (q, k, v, gg, beta, state)]
+
+            def transition():
+                m = _gdn_transition(k, gg, beta)
+                torch.autograd.grad(m, [k, gg, beta], torch.ones_like(m))
+
+            def scan():
+                o, fin = torch_chunk_gated_delta_rule(q, k, v, gg, beta, chunk_size=CHUNK,
+                                                      initial_state=state, output_final_state=True)
+                torch.autograd.grad((o, fin), leaves, (torch.ones_like(o), torch.ones_like(fin)))
+
+            rec = {"S": s, "W": w, "n": n, "times_s": {"transition": [], "scan": []}, "peak_bytes": {}}
+            for name, fn in (("transition", transition), ("scan", scan)):
+                fn()  # warm-up
+                with TensorBytes() as mem:
+                    fn()
+                rec["peak_bytes"][name] = mem.peak
+            for r in range(rounds):
+                for name, fn in ((("transition", transition), ("scan", scan)) if r % 2 == 0
+                                 else (("scan", scan), ("transition", transition))):
+                    t0 = time.perf_counter()
+                    fn()
+                    rec["times_s"][name].append(time.perf_counter() - t0)
+            rec["ratios"] = [a / b for a, b in zip(rec["times_s"]["transition"], rec["times_s"]["scan"])]
+            data["cases"].append(rec)
+            print(f"S={s} W={w} chunk n={n}: transition fwd+bwd {_med(rec['times_s']['transition']):.3f} s, "
+                  f"{rec['peak_bytes']['transition'] / 2**20:.0f} MiB; kernel scan "
+                  f"{_med(rec['times_s']['scan']):.3f} s, {rec['peak_bytes']['scan'] / 2**20:.0f} MiB; "
+                  f"transition / scan {_med(rec['ratios']):.1f} ({min(rec['ratios']):.1f}-"
+                  f"{max(rec['ratios']):.1f})", flush=True)
+    data["loadavg"]["end"] = os.getloadavg()
+    write_json(out_dir / "mixers_breakdown.json", data)
+    return data
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="S 2048 and 8192, 2 rounds")
@@ -475,6 +539,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--replot", action="store_true", help="redraw mixers.png from mixers.json")
+    ap.add_argument("--breakdown-only", action="store_true",
+                    help="only the gated delta rule's transition against its scan, per chunk")
     args = ap.parse_args(argv)
     seqlens, rounds = args.seqlens, args.rounds
     if args.quick:
@@ -482,12 +548,17 @@ def main(argv=None) -> None:
     if args.smoke:
         seqlens, rounds = [512], 1
     out = args.out or (RESULTS / "smoke" if args.smoke else RESULTS)
+    if args.breakdown_only:
+        breakdown(seqlens, [w for w in args.worlds if w > 1], max(rounds, 3), out)
+        return
     if args.replot:
         data = json.loads((out / "mixers.json").read_text())
     else:
         data = run(seqlens, args.worlds, rounds, out)
     plot(data, out / "mixers.png")
     print(table(data))
+    if not args.replot:
+        breakdown(seqlens, [w for w in args.worlds if w > 1], max(rounds, 3), out)
     if not args.replot:
         print(f"wrote {out / 'mixers.json'} in {data['elapsed_s']:.0f} s")
 
