@@ -3,7 +3,7 @@ parallelism.
 
 For each converted family (Gated DeltaNet: Qwen3-Next, Qwen3.5; short convolution: LFM2;
 Mamba2: Granite 4 hybrid, Bamba, Mamba2, Nemotron-H, Falcon-H1 with and without its gated
-RMSNorm), batch kind ("plain", "padded": row 1 left-padded by 7,
+RMSNorm; Mamba: Jamba), batch kind ("plain", "padded": row 1 left-padded by 7,
 as in the family survey; "packed": one row of five documents of 1 to 15 tokens, their
 positions restarting at 0, compared with one process running each document as its own
 sequence) and world size W (2, 3; S = 37 divides neither 2W), every rank
@@ -88,7 +88,7 @@ EXTRA = {"qwen3_5": _qwen3_5, "bamba": _bamba, "mamba2": _mamba2, "nemotron_h": 
 """Families the survey (tests/families.py) does not build yet."""
 
 CONVERTED = ("qwen3_next", "qwen3_5", "lfm2", "granitemoehybrid", "bamba", "mamba2",
-             "nemotron_h", "falcon_h1", "falcon_h1_norm")
+             "nemotron_h", "falcon_h1", "falcon_h1_norm", "jamba")
 
 
 def _build(name: str, attn: str):
@@ -230,7 +230,7 @@ def refusals() -> list:
     for attempt in (
         lambda: ra_hf.prepare_batch(_build("qwen3_next", "ringattn"), batch),  # unconverted
         lambda: ra_hf.check_model(*reversed(FAMILIES["lfm2"]())),  # a class, unconverted
-        lambda: ra_hf.convert_mixers(_build("jamba", "ringattn")),  # not served
+        lambda: ra_hf.convert_mixers(_build("recurrent_gemma", "ringattn")),  # not served
         lambda: ra_hf.convert_mixers(torch.nn.Linear(2, 2)),
     ):
         try:
@@ -250,10 +250,11 @@ def refusals() -> list:
 @pytest.mark.timeout(120)
 def test_refusals_on_every_rank(clusters):
     for rank, said in enumerate(clusters(2).run(refusals, timeout=90)):
-        unconverted, cls, jamba, linear, cache = said
+        unconverted, cls, unserved, linear, cache = said
         assert unconverted and "convert_mixers" in unconverted and "linear_attention" in unconverted, (
             rank, unconverted)
         assert cls and "convert_mixers" in cls and "conv" in cls, (rank, cls)
-        assert jamba and "jamba" in jamba and jamba.startswith("ValueError"), (rank, jamba)
+        assert unserved and "recurrent_gemma" in unserved and unserved.startswith("ValueError"), (
+            rank, unserved)
         assert linear and linear.startswith("TypeError") and "Linear" in linear, (rank, linear)
         assert cache and "use_cache=False" in cache, (rank, cache)

@@ -50,7 +50,7 @@ _CONVERTED: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictio
 """Configs of models whose every sequence mixer ``convert_mixers`` replaced, by id."""
 
 CONVERTIBLE = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5", "lfm2", "granitemoehybrid",
-                         "bamba", "mamba2", "nemotron_h", "falcon_h1"})
+                         "bamba", "mamba2", "nemotron_h", "falcon_h1", "jamba"})
 """model_type of the families whose non-attention layers ``convert_mixers`` serves. Their
 attention layers call transformers' attention interface (some of their model classes do
 not declare ``_supports_attention_backend``, which ``check_model`` otherwise reads as
@@ -213,6 +213,33 @@ class _Mamba2(_RingMixer):
         return self.out_proj(y.to(dtype))
 
 
+class _Mamba(_RingMixer):
+    """Jamba's Mamba layer: conv(x), then the selective scan h_t = exp(dt_t A) h_{t-1} +
+    dt_t B_t x_t ([d_inner, N] state, ``diagonal_recurrence``), y = h C + D x, SiLU gate."""
+
+    def _ring_forward(self, hidden, ctx):
+        from ..mixers import causal_conv1d, diagonal_recurrence
+
+        ring = _ring_args(ctx)
+        dtype = hidden.dtype
+        keep = _keep(ctx, hidden.shape[0], hidden.device, dtype)
+        x, gate = self.in_proj(_masked(hidden, keep)).chunk(2, dim=-1)
+        x = _masked(causal_conv1d(x, self.conv1d.weight, self.conv1d.bias,
+                                  activation=self.activation, **ring), keep)
+        step, bm, cm = torch.split(self.x_proj(x), [self.time_step_rank, self.ssm_state_size,
+                                                    self.ssm_state_size], dim=-1)
+        step, bm, cm = self.dt_layernorm(step), self.b_layernorm(bm), self.c_layernorm(cm)
+        dt = step @ self.dt_proj.weight.t()
+        if self.dt_proj.bias is not None:
+            dt = dt + self.dt_proj.bias.float()
+        dt = F.softplus(dt)  # [B, L, D]
+        a = torch.exp(-torch.exp(self.A_log.float()) * dt[..., None])  # [B, L, D, N]
+        u = dt[..., None] * bm[:, :, None, :].float() * x[..., None].float()
+        h = diagonal_recurrence(a, u, **ring)
+        y = (h * cm[:, :, None, :].float()).sum(-1) + x * self.D
+        return self.out_proj((y * F.silu(gate)).to(dtype))
+
+
 _LAYERS = {
     "Qwen3NextGatedDeltaNet": _GatedDeltaNet,
     "Qwen3_5GatedDeltaNet": _GatedDeltaNet,
@@ -222,6 +249,7 @@ _LAYERS = {
     "Mamba2Mixer": _Mamba2,
     "NemotronHMamba2Mixer": _Mamba2,
     "FalconH1Mixer": _Mamba2,
+    "JambaMambaMixer": _Mamba,
 }
 """transformers' sequence-mixer classes (by name) and the mixin of their converted class."""
 
@@ -298,9 +326,10 @@ def convert_mixers(model):
     return model
 
 
-_KWARGS_STOP = frozenset({"mamba2"})
-"""Families whose CausalLM does not pass its keyword arguments on to the layers
-(Mamba2ForCausalLM calls its backbone with named arguments only): a forward pre-hook on
+_KWARGS_STOP = frozenset({"mamba2", "jamba"})
+"""Families whose CausalLM or decoder layers do not pass their keyword arguments on to the
+mixers (Mamba2ForCausalLM calls its backbone with named arguments only, Jamba's Mamba
+decoder layer its mixer): a forward pre-hook on
 the model hands each converted layer the call's ring_context. The layer keeps it until the
 next call of the model, so gradient checkpointing's recomputation in the backward sees it;
 interleaving two CP batches' forwards before their backwards is not served there."""
