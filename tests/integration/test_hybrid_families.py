@@ -3,7 +3,7 @@ parallelism.
 
 For each converted family (Gated DeltaNet: Qwen3-Next, Qwen3.5; short convolution: LFM2;
 Mamba2: Granite 4 hybrid, Bamba, Mamba2, Nemotron-H, Falcon-H1 with and without its gated
-RMSNorm; Mamba: Jamba), batch kind ("plain", "padded": row 1 left-padded by 7,
+RMSNorm; Mamba: Jamba, Mamba, FalconMamba), batch kind ("plain", "padded": row 1 left-padded by 7,
 as in the family survey; "packed": one row of five documents of 1 to 15 tokens, their
 positions restarting at 0, compared with one process running each document as its own
 sequence) and world size W (2, 3; S = 37 divides neither 2W), every rank
@@ -83,12 +83,29 @@ def _falcon_h1_norm():
     return cfg, cls
 
 
-EXTRA = {"qwen3_5": _qwen3_5, "bamba": _bamba, "mamba2": _mamba2, "nemotron_h": _nemotron_h,
+def _mamba():
+    import transformers as tf
+
+    return tf.MambaConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2, state_size=8,
+                          expand=2, conv_kernel=4, time_step_rank=8, pad_token_id=0,
+                          bos_token_id=1, eos_token_id=2), tf.MambaForCausalLM
+
+
+def _falcon_mamba():
+    import transformers as tf
+
+    return tf.FalconMambaConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2,
+                                state_size=8, expand=2, conv_kernel=4, time_step_rank=8,
+                                pad_token_id=0, bos_token_id=1, eos_token_id=2), \
+        tf.FalconMambaForCausalLM
+
+
+EXTRA = {"mamba": _mamba, "falcon_mamba": _falcon_mamba, "qwen3_5": _qwen3_5, "bamba": _bamba, "mamba2": _mamba2, "nemotron_h": _nemotron_h,
          "falcon_h1_norm": _falcon_h1_norm}
 """Families the survey (tests/families.py) does not build yet."""
 
 CONVERTED = ("qwen3_next", "qwen3_5", "lfm2", "granitemoehybrid", "bamba", "mamba2",
-             "nemotron_h", "falcon_h1", "falcon_h1_norm", "jamba")
+             "nemotron_h", "falcon_h1", "falcon_h1_norm", "jamba", "mamba", "falcon_mamba")
 
 
 def _build(name: str, attn: str):

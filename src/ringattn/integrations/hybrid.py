@@ -2,15 +2,18 @@
 
 transformers' hybrid decoders mix the sequence in layers that are not attention: Gated
 DeltaNet layers (a short causal convolution, then the gated delta rule: Qwen3-Next,
-Qwen3.5), short convolutions (LFM2) and Mamba2 layers (a short convolution, then the SSD
-scan: Granite 4 hybrids, Bamba). On a shard of the sequence those layers would see only
+Qwen3.5), short convolutions (LFM2), Mamba2 layers (a short convolution, then the SSD
+scan: Granite 4 hybrids, Bamba, Mamba2, Nemotron-H, Falcon-H1) and Mamba layers (a short
+convolution, then the selective scan: Mamba, FalconMamba, Jamba). On a shard of the sequence those layers would see only
 this rank's tokens. ``convert_mixers`` replaces, on the model instance, each such layer by
 an instance of a subclass of its own class that shares its parameters, buffers and hooks
 (the module's ``__class__`` is set to the subclass: no parameter is copied, and
 ``state_dict`` keys do not change); the subclass's forward computes the same function with
-``ringattn.mixers`` (``causal_conv1d``, ``gated_delta_rule``, ``mamba2_ssd``) on the
-batch's ``RingContext``, which reaches the layer in the keyword arguments transformers'
-decoder layers pass on (``ring_context``, from ``shard_batch`` / ``prepare_batch``).
+``ringattn.mixers`` (``causal_conv1d``, ``gated_delta_rule``, ``mamba2_ssd``,
+``diagonal_recurrence``) on the batch's ``RingContext``, which reaches the layer in the
+keyword arguments transformers' decoder layers pass on (``ring_context``, from
+``shard_batch`` / ``prepare_batch``), or, for the families whose model or blocks do not
+pass them on (``_KWARGS_STOP``), from a forward pre-hook on the model.
 
 Nothing of transformers is patched. Without a ring context (one process: evaluation,
 generation) the converted layer runs transformers' own forward. Under a ring context it
@@ -30,9 +33,9 @@ padding, so a left-padded batch through ``prepare_batch`` gives one process's re
 
 ``check_model`` (and so ``prepare_batch``), the mask function and the attention function
 accept a converted model; an unconverted hybrid is refused with a message naming
-``convert_mixers``. Families whose layers ``convert_mixers`` does not know (Jamba's Mamba,
-RecurrentGemma's RG-LRU, MiniMax's lightning attention, Falcon-H1, ...) are refused by it
-with a ValueError naming the layer.
+``convert_mixers``. Families whose layers ``convert_mixers`` does not know
+(RecurrentGemma's RG-LRU, MiniMax's lightning attention, Zamba, ...) are refused by it with
+a ValueError naming the family.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ _CONVERTED: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictio
 """Configs of models whose every sequence mixer ``convert_mixers`` replaced, by id."""
 
 CONVERTIBLE = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5", "lfm2", "granitemoehybrid",
-                         "bamba", "mamba2", "nemotron_h", "falcon_h1", "jamba"})
+                         "bamba", "mamba2", "nemotron_h", "falcon_h1", "jamba", "mamba",
+                         "falcon_mamba"})
 """model_type of the families whose non-attention layers ``convert_mixers`` serves. Their
 attention layers call transformers' attention interface (some of their model classes do
 not declare ``_supports_attention_backend``, which ``check_model`` otherwise reads as
@@ -214,8 +218,9 @@ class _Mamba2(_RingMixer):
 
 
 class _Mamba(_RingMixer):
-    """Jamba's Mamba layer: conv(x), then the selective scan h_t = exp(dt_t A) h_{t-1} +
-    dt_t B_t x_t ([d_inner, N] state, ``diagonal_recurrence``), y = h C + D x, SiLU gate."""
+    """The Mamba layer (Mamba; Jamba and FalconMamba with their dt/B/C norms): conv(x), then
+    the selective scan h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t ([d_inner, N] state,
+    ``diagonal_recurrence``), y = h C + D x, SiLU gate."""
 
     def _ring_forward(self, hidden, ctx):
         from ..mixers import causal_conv1d, diagonal_recurrence
@@ -228,7 +233,8 @@ class _Mamba(_RingMixer):
                                   activation=self.activation, **ring), keep)
         step, bm, cm = torch.split(self.x_proj(x), [self.time_step_rank, self.ssm_state_size,
                                                     self.ssm_state_size], dim=-1)
-        step, bm, cm = self.dt_layernorm(step), self.b_layernorm(bm), self.c_layernorm(cm)
+        if hasattr(self, "dt_layernorm"):  # Jamba, FalconMamba
+            step, bm, cm = self.dt_layernorm(step), self.b_layernorm(bm), self.c_layernorm(cm)
         dt = step @ self.dt_proj.weight.t()
         if self.dt_proj.bias is not None:
             dt = dt + self.dt_proj.bias.float()
@@ -250,6 +256,8 @@ _LAYERS = {
     "NemotronHMamba2Mixer": _Mamba2,
     "FalconH1Mixer": _Mamba2,
     "JambaMambaMixer": _Mamba,
+    "MambaMixer": _Mamba,
+    "FalconMambaMixer": _Mamba,
 }
 """transformers' sequence-mixer classes (by name) and the mixin of their converted class."""
 
@@ -326,10 +334,10 @@ def convert_mixers(model):
     return model
 
 
-_KWARGS_STOP = frozenset({"mamba2", "jamba"})
+_KWARGS_STOP = frozenset({"mamba2", "jamba", "mamba", "falcon_mamba"})
 """Families whose CausalLM or decoder layers do not pass their keyword arguments on to the
-mixers (Mamba2ForCausalLM calls its backbone with named arguments only, Jamba's Mamba
-decoder layer its mixer): a forward pre-hook on
+mixers (Mamba2ForCausalLM calls its backbone with named arguments only; the Mamba blocks of
+Mamba, FalconMamba and Jamba call their mixer so): a forward pre-hook on
 the model hands each converted layer the call's ring_context. The layer keeps it until the
 next call of the model, so gradient checkpointing's recomputation in the backward sees it;
 interleaving two CP batches' forwards before their backwards is not served there."""
