@@ -52,7 +52,7 @@ __all__ = ["CONVERTIBLE", "convert_mixers", "mixers_converted"]
 _CONVERTED: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 """Configs of models whose every sequence mixer ``convert_mixers`` replaced, by id."""
 
-CONVERTIBLE = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5", "lfm2", "granitemoehybrid",
+CONVERTIBLE = frozenset({"qwen3_next", "qwen3_5_text", "lfm2", "granitemoehybrid",
                          "bamba", "mamba2", "nemotron_h", "falcon_h1", "jamba", "mamba",
                          "falcon_mamba"})
 """model_type of the families whose non-attention layers ``convert_mixers`` serves. Their
