@@ -411,6 +411,15 @@ def _flex_olmo():
                              num_experts_per_tok=2, **_AUX), tf.FlexOlmoForCausalLM
 
 
+def _biogpt():
+    tf = _tf()
+    return tf.BioGptConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                           num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
+                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                           layerdrop=0.0, pad_token_id=0, bos_token_id=1,
+                           eos_token_id=2), tf.BioGptForCausalLM
+
+
 def _olmoe():
     tf = _tf()
     return tf.OlmoeConfig(**{**_COMMON, "intermediate_size": 32}, num_experts=4,
@@ -483,6 +492,7 @@ FAMILIES = {
     "glm": _glm,
     "apertus": _apertus,
     "persimmon": _persimmon,
+    "biogpt": _biogpt,
 }
 
 
@@ -547,6 +557,7 @@ FEATURES = {
     "glm": "partial rotary (interleaved)",
     "apertus": "xIELU activation, q/k norm, llama3 RoPE",
     "persimmon": "partial rotary 0.5, q/k layernorm, fused qkv",
+    "biogpt": "learned positions, scaled embeddings, class not declared backend compatible",
 }
 """What each family's config exercises (for the survey's table)."""
 

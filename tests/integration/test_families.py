@@ -140,6 +140,7 @@ EXPECTED = {
     "bloom": EXACT,  # ALiBi: ra_hf.convert puts ring attention (alibi_slopes) in its module
     "codegen": EXACT,  # transformers >= 5.24 calls the attention interface
     "xglm": EXACT,  # ra_hf.convert puts ring attention in its module
+    "biogpt": EXACT,  # calls the interface, but its class says it does not (ra_hf.convert)
     "mpt": EXACT,  # ALiBi: ra_hf.convert puts ring attention (alibi_slopes) in its module
     # the decoder layer does not pass **kwargs to self_attn (ra_hf.convert hands its
     # attention the ring_context); stablelm's class also says it computes attention itself
@@ -184,6 +185,7 @@ EXPECTED_SHARD = {
     "stablelm": REFUSED,
     "nemotron": REFUSED,
     "xglm": REFUSED,
+    "biogpt": REFUSED,
 }
 
 

@@ -226,6 +226,10 @@ BUILT_EAGER = frozenset({"gpt_neo", "falcon"})
 of its own (a bare KeyError for "ringattn"): built with "eager", then converted (``convert``
 replaces the attention modules and sets the config's attention implementation)."""
 _OWN_ATTENTION = frozenset({"xglm", "gpt_neo", "falcon"})
+_INTERFACE = frozenset({"biogpt"})
+"""Families whose attention calls the attention interface with the batch's keyword
+arguments although their class does not declare it (``is_backend_compatible()`` False):
+``convert`` only records that they were checked."""
 """Families whose attention modules compute plain softmax attention themselves (no
 positional term inside): ``convert`` replaces them by ring attention."""
 _RELAY = {"stablelm": "StableLmAttention", "nemotron": "NemotronAttention"}
@@ -237,7 +241,8 @@ these attention classes."""
 def convertible(model_type) -> bool:
     """Whether ``convert`` replaces the attention of this family (which computes attention
     itself: ``check_model`` on its class accepts it, on an unconverted model refuses it)."""
-    return model_type in _ALIBI or model_type in _RELAY or model_type in _OWN_ATTENTION
+    return (model_type in _ALIBI or model_type in _RELAY or model_type in _OWN_ATTENTION
+            or model_type in _INTERFACE)
 
 
 def _ring_context(module):

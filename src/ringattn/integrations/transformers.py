@@ -186,9 +186,11 @@ def check_attention(model) -> None:
         )
 
 
-POSITIONS_FROM_MASK = frozenset({"opt", "biogpt"})
+POSITIONS_FROM_MASK = frozenset({"opt"})
 """Families whose position ids, when not given, count real tokens (``cumsum(mask) * mask
-- 1``: a left-padded row starts at 0 on its first real token) instead of slots."""
+- 1``: a left-padded row starts at 0 on its first real token) instead of slots. (BioGPT's
+learned positions count slots since transformers 5.24: its model makes slot position ids
+before its embedding could count the mask; the family survey checks it on left padding.)"""
 
 
 def prepare_batch(model, batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, **kwargs) -> dict:
@@ -292,8 +294,10 @@ def _model_mask(*, mask_function=None, local_size=None, config=None, attention_m
         kind = "chunked" if chunk == local_size and window != local_size else "sliding"
         if chunk == local_size and window == local_size:
             kind = "ambiguous"
-    return ModelMask(kind, local_size, custom=bool(use_vmap), padded=attention_mask is not None,
-                     family=family, converted=converted(config))
+    # a mask of ones (BioGPT makes one when given none) pads nothing
+    padded = attention_mask is not None and not bool(attention_mask.all())
+    return ModelMask(kind, local_size, custom=bool(use_vmap), padded=padded, family=family,
+                     converted=converted(config))
 
 
 def _base_model_class(config):
