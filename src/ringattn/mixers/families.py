@@ -98,15 +98,26 @@ def _gdn_scan(q, k, v, g, beta, state, scale):
     return torch.stack(out, dim=1), s
 
 
-def _gdn_transition(k, g, beta):
-    """prod_t exp(g_t) (I - beta_t k_t k_t^T), later tokens on the left: [B, H, dk, dk]."""
+def _gdn_entry_scan(scan, q, k, g, beta):
+    """The run's entering-state maps from ONE call of its own scan: the recurrence is linear
+    in (state, v), so scanning with v = 0 (width dk) from the identity state leaves P_t, the
+    product exp(g_t) (I - beta_t k_t k_t^T) ... exp(g_1) (I - beta_1 k_1 k_1^T), as its
+    state: the final state is the run's transition map M = P_n [B, H, dk, dk], and its
+    outputs are o_t = P_t^T (scale q_t) [B, n, H, dk], so entering with S adds o_t^T S to
+    token t's output. Same q/k conventions (scale, l2norm, grouped heads) as the real scan."""
     b, n, h, dk = k.shape
-    m = torch.eye(dk, dtype=k.dtype, device=k.device).expand(b, h, dk, dk)
-    for t in range(n):
-        kt = k[:, t]
-        m = g[:, t].exp()[..., None, None] * (
-            m - beta[:, t][..., None, None] * kt[..., None] * (kt[..., None, :] @ m))
-    return m
+    eye = torch.eye(dk, dtype=k.dtype, device=k.device).expand(b, h, dk, dk).contiguous()
+    o, m = scan((q, k, k.new_zeros((b, n, h, dk)), g, beta), eye)
+    return o, m
+
+
+def _gdn_transition(k, g, beta, scan=None):
+    """prod_t exp(g_t) (I - beta_t k_t k_t^T), later tokens on the left: [B, H, dk, dk]
+    (the final state of ``_gdn_entry_scan``; ``scan`` defaults to the token loop)."""
+    if scan is None:
+        def scan(piece, state):
+            return _gdn_scan(*piece, state, 1.0)
+    return _gdn_entry_scan(scan, torch.zeros_like(k), k, g, beta)[1]
 
 
 def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -174,13 +185,32 @@ def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                                 use_qk_l2norm_in_kernel=False)
             return out, final
 
+    # A chunk that both exports its map and continues another needs the same identity scan
+    # twice (transition, then entry_output once the entering state is known): keep its
+    # outputs from the first, keyed by where the run starts and its length.
+    kept = {}
+
+    def where(piece):
+        kk = piece[1]
+        return (kk.data_ptr(), kk.shape[1]) if kk.stride(1) != 0 else None
+
     def transition(piece):
-        return _gdn_transition(piece[1], piece[3], piece[4])
+        o, m = _gdn_entry_scan(scan, piece[0], piece[1], piece[3], piece[4])
+        if where(piece) is not None:
+            kept[where(piece)] = o
+        return m
+
+    def entry_output(piece, state):  # o_t gains (P_t^T scale q_t)^T S_in
+        o = kept.pop(where(piece), None) if where(piece) is not None else None
+        if o is None:
+            o = _gdn_entry_scan(scan, piece[0], piece[1], piece[3], piece[4])[0]
+        return torch.einsum("bnhk,bhkv->bnhv", o, state.to(o.dtype))
 
     y = linear_recurrence(scan, transition, (q, k, v, g_, b_), state_shape=(b, h, dk, dv),
                           map_shape=(b, h, dk, dk), out_shape=(h, dv), kind="matrix",
                           group=group, layout=layout, seqlen=seqlen, cu_seqlens=cu_seqlens,
-                          name="gated_delta_rule")
+                          name="gated_delta_rule", entry_output=entry_output)
+    kept.clear()
     return y.to(out_dtype)
 
 
