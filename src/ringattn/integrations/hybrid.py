@@ -4,7 +4,8 @@ transformers' hybrid decoders mix the sequence in layers that are not attention:
 DeltaNet layers (a short causal convolution, then the gated delta rule: Qwen3-Next,
 Qwen3.5), short convolutions (LFM2), Mamba2 layers (a short convolution, then the SSD
 scan: Granite 4 hybrids, Bamba, Mamba2, Nemotron-H, Falcon-H1) and Mamba layers (a short
-convolution, then the selective scan: Mamba, FalconMamba, Jamba). On a shard of the sequence those layers would see only
+convolution, then the selective scan: Mamba, FalconMamba, Jamba) and RecurrentGemma's
+RG-LRU blocks (a convolution, then a gated diagonal recurrence). On a shard of the sequence those layers would see only
 this rank's tokens. ``convert_mixers`` replaces, on the model instance, each such layer by
 an instance of a subclass of its own class that shares its parameters, buffers and hooks
 (the module's ``__class__`` is set to the subclass: no parameter is copied, and
@@ -34,7 +35,7 @@ padding, so a left-padded batch through ``prepare_batch`` gives one process's re
 ``check_model`` (and so ``prepare_batch``), the mask function and the attention function
 accept a converted model; an unconverted hybrid is refused with a message naming
 ``convert_mixers``. Families whose layers ``convert_mixers`` does not know
-(RecurrentGemma's RG-LRU, MiniMax's lightning attention, Zamba, ...) are refused by it with
+(MiniMax's lightning attention, Zamba, ...) are refused by it with
 a ValueError naming the family.
 """
 
@@ -54,7 +55,7 @@ _CONVERTED: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictio
 
 CONVERTIBLE = frozenset({"qwen3_next", "qwen3_5_text", "lfm2", "granitemoehybrid",
                          "bamba", "mamba2", "nemotron_h", "falcon_h1", "jamba", "mamba",
-                         "falcon_mamba"})
+                         "falcon_mamba", "recurrent_gemma"})
 """model_type of the families whose non-attention layers ``convert_mixers`` serves. Their
 attention layers call transformers' attention interface (some of their model classes do
 not declare ``_supports_attention_backend``, which ``check_model`` otherwise reads as
@@ -98,7 +99,7 @@ def _context(module, kwargs):
         return None
     cache = next((kwargs[k] for k in ("cache", "cache_params", "past_key_values")
                   if kwargs.get(k) is not None), None)
-    if cache is not None:
+    if cache is not None or (kwargs.get("use_cache") and getattr(module, "_stateful", False)):
         raise ValueError(f"{type(module).__name__} (converted by convert_mixers) got a cache "
                          f"under context parallelism; call the model with use_cache=False")
     ctx.record_call()
@@ -123,7 +124,7 @@ class _RingMixer:
         ctx = _context(self, kwargs)
         if ctx is None:
             return super().forward(hidden_states, **kwargs)
-        return self._ring_forward(hidden_states, ctx)
+        return self._ring_forward(hidden_states, ctx, **kwargs)
 
 
 class _GatedDeltaNet(_RingMixer):
@@ -140,7 +141,7 @@ class _GatedDeltaNet(_RingMixer):
         z = self.in_proj_z(hidden).reshape(batch, length, -1, self.head_v_dim)
         return self.in_proj_qkv(hidden), z, self.in_proj_b(hidden), self.in_proj_a(hidden)
 
-    def _ring_forward(self, hidden, ctx):
+    def _ring_forward(self, hidden, ctx, **_):
         from ..mixers import causal_conv1d, gated_delta_rule
 
         ring = _ring_args(ctx)
@@ -166,7 +167,7 @@ class _GatedDeltaNet(_RingMixer):
 class _ShortConv(_RingMixer):
     """LFM2's short convolution: (B * x) convolved, times C."""
 
-    def _ring_forward(self, hidden, ctx):
+    def _ring_forward(self, hidden, ctx, **_):
         from ..mixers import causal_conv1d
 
         hidden = _masked(hidden, _keep(ctx, hidden.shape[0], hidden.device, hidden.dtype))
@@ -183,7 +184,7 @@ class _Mamba2(_RingMixer):
         scan = getattr(self._family, "mamba2_chunk_scan", None)
         return None if scan is None else functools.partial(scan, chunk_size=self.chunk_size)
 
-    def _ring_forward(self, hidden, ctx):
+    def _ring_forward(self, hidden, ctx, **_):
         from ..mixers import causal_conv1d, mamba2_ssd
 
         ring = _ring_args(ctx)
@@ -222,7 +223,7 @@ class _Mamba(_RingMixer):
     the selective scan h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t ([d_inner, N] state,
     ``diagonal_recurrence``), y = h C + D x, SiLU gate."""
 
-    def _ring_forward(self, hidden, ctx):
+    def _ring_forward(self, hidden, ctx, **_):
         from ..mixers import causal_conv1d, diagonal_recurrence
 
         ring = _ring_args(ctx)
@@ -246,6 +247,48 @@ class _Mamba(_RingMixer):
         return self.out_proj((y * F.silu(gate)).to(dtype))
 
 
+class _RecurrentBlock(_RingMixer):
+    """RecurrentGemma's recurrent block: GeLU(W_y x) times RG-LRU(conv(W_x x)), where the
+    RG-LRU is h_t = a_t h_{t-1} + sqrt(1 - a_t^2) (i_t x_t) (a_t = 0 and no normalisation
+    where the position id is 0), a diagonal recurrence in float32. transformers' block does
+    not mask padding (a padded row's real tokens read its padding tokens), so a padded
+    batch is refused: ``shard_batch`` replaces the padding tokens."""
+
+    _stateful = True  # use_cache=True makes transformers' block keep its states
+
+    def _ring_forward(self, hidden, ctx, position_ids=None, **_):
+        from ..mixers import causal_conv1d, diagonal_recurrence
+
+        if ctx.mask is not None or position_ids is None:
+            raise ValueError(
+                "RecurrentGemma's recurrent block reads the padding tokens of a padded row "
+                "(transformers does not mask them), which ringattn.shard_batch replaces: "
+                "its padded batches cannot be sharded exactly; pack or drop the padding"
+                if ctx.mask is not None else
+                "RecurrentGemma's recurrent block needs the position ids (its state resets "
+                "where they are 0)")
+        ring = _ring_args(ctx)
+        dtype = hidden.dtype
+        y = self.act_fn(self.linear_y(hidden))
+        x = causal_conv1d(self.linear_x(hidden), self.conv_1d.weight, self.conv_1d.bias, **ring)
+        lru = self.rg_lru
+        batch, length, width = x.shape
+        heads, block = lru.num_attention_heads, lru.block_width
+        xh = x.reshape(batch, length, heads, block)
+        gate_in = torch.sigmoid(torch.einsum("blhi,hij->blhj", xh, lru.input_gate_weight)
+                                + lru.input_gate_bias).reshape(batch, length, width)
+        gate_a = torch.sigmoid(torch.einsum("blhi,hij->blhj", xh, lru.recurrent_gate_weight)
+                               + lru.recurrent_gate_bias).reshape(batch, length, width)
+        log_a = -8.0 * gate_a * F.softplus(lru.recurrent_param)
+        reset = (position_ids == 0)[:, :, None].expand(batch, -1, -1)
+        multiplier = self._family.SqrtBoundDerivative.apply(1 - torch.exp(2 * log_a))
+        multiplier = reset + ~reset * multiplier
+        normalized = x * gate_in * multiplier.type(dtype)
+        a = torch.exp(log_a) * ~reset
+        h = diagonal_recurrence(a.float(), normalized.float(), **ring).type(dtype)
+        return self.linear_out(h * y), None
+
+
 _LAYERS = {
     "Qwen3NextGatedDeltaNet": _GatedDeltaNet,
     "Qwen3_5GatedDeltaNet": _GatedDeltaNet,
@@ -258,6 +301,7 @@ _LAYERS = {
     "JambaMambaMixer": _Mamba,
     "MambaMixer": _Mamba,
     "FalconMambaMixer": _Mamba,
+    "RecurrentGemmaRecurrentBlock": _RecurrentBlock,
 }
 """transformers' sequence-mixer classes (by name) and the mixin of their converted class."""
 
