@@ -4,7 +4,7 @@ parallelism.
 For each converted family (Gated DeltaNet: Qwen3-Next, Qwen3.5; short convolution: LFM2;
 Mamba2: Granite 4 hybrid, Bamba, Mamba2, Nemotron-H, Falcon-H1 with and without its gated
 RMSNorm; Mamba: Jamba, Mamba, FalconMamba; RG-LRU: RecurrentGemma, whose padded batches are
-refused), batch kind ("plain", "padded": row 1 left-padded by 7,
+refused; lightning attention: MiniMax), batch kind ("plain", "padded": row 1 left-padded by 7,
 as in the family survey; "packed": one row of five documents of 1 to 15 tokens, their
 positions restarting at 0, compared with one process running each document as its own
 sequence) and world size W (2, 3; S = 37 divides neither 2W), every rank
@@ -107,7 +107,7 @@ EXTRA = {"mamba": _mamba, "falcon_mamba": _falcon_mamba, "qwen3_5": _qwen3_5, "b
 
 CONVERTED = ("qwen3_next", "qwen3_5", "lfm2", "granitemoehybrid", "bamba", "mamba2",
              "nemotron_h", "falcon_h1", "falcon_h1_norm", "jamba", "mamba", "falcon_mamba",
-             "recurrent_gemma")
+             "recurrent_gemma", "minimax")
 
 REFUSED = {("recurrent_gemma", "padded"): "reads the padding tokens"}
 """Cases refused on every rank (the message's words): RecurrentGemma's recurrent block does
@@ -248,6 +248,17 @@ def test_converted_family_equals_one_process(exact, worst_errors, family, kind, 
                 worst_errors[key] = max(worst_errors.get(key, (0.0, TOL)), (errs[what], TOL))
 
 
+def _zamba2():
+    """A hybrid family convert_mixers does not serve."""
+    import transformers as tf
+
+    cfg = tf.Zamba2Config(vocab_size=97, hidden_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, mamba_d_state=8, mamba_headdim=16,
+                          n_mamba_heads=8, layers_block_type=["mamba", "hybrid"], pad_token_id=0)
+    cfg._attn_implementation = "ringattn"
+    return tf.Zamba2ForCausalLM(cfg)
+
+
 def refusals() -> list:
     """Rank function: the messages of what must be refused, on this rank."""
     from ringattn.integrations import transformers as ra_hf
@@ -258,7 +269,7 @@ def refusals() -> list:
     for attempt in (
         lambda: ra_hf.prepare_batch(_build("qwen3_next", "ringattn"), batch),  # unconverted
         lambda: ra_hf.check_model(*reversed(FAMILIES["lfm2"]())),  # a class, unconverted
-        lambda: ra_hf.convert_mixers(_build("minimax", "ringattn")),  # not served
+        lambda: ra_hf.convert_mixers(_zamba2()),  # not served
         lambda: ra_hf.convert_mixers(torch.nn.Linear(2, 2)),
     ):
         try:
@@ -282,7 +293,7 @@ def test_refusals_on_every_rank(clusters):
         assert unconverted and "convert_mixers" in unconverted and "linear_attention" in unconverted, (
             rank, unconverted)
         assert cls and "convert_mixers" in cls and "conv" in cls, (rank, cls)
-        assert unserved and "minimax" in unserved and unserved.startswith("ValueError"), (
+        assert unserved and "zamba2" in unserved and unserved.startswith("ValueError"), (
             rank, unserved)
         assert linear and linear.startswith("TypeError") and "Linear" in linear, (rank, linear)
         assert cache and "use_cache=False" in cache, (rank, cache)

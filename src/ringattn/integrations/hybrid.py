@@ -4,8 +4,9 @@ transformers' hybrid decoders mix the sequence in layers that are not attention:
 DeltaNet layers (a short causal convolution, then the gated delta rule: Qwen3-Next,
 Qwen3.5), short convolutions (LFM2), Mamba2 layers (a short convolution, then the SSD
 scan: Granite 4 hybrids, Bamba, Mamba2, Nemotron-H, Falcon-H1) and Mamba layers (a short
-convolution, then the selective scan: Mamba, FalconMamba, Jamba) and RecurrentGemma's
-RG-LRU blocks (a convolution, then a gated diagonal recurrence). On a shard of the sequence those layers would see only
+convolution, then the selective scan: Mamba, FalconMamba, Jamba) RecurrentGemma's
+RG-LRU blocks (a convolution, then a gated diagonal recurrence) and MiniMax's lightning
+attention (a linear attention with a decay per head). On a shard of the sequence those layers would see only
 this rank's tokens. ``convert_mixers`` replaces, on the model instance, each such layer by
 an instance of a subclass of its own class that shares its parameters, buffers and hooks
 (the module's ``__class__`` is set to the subclass: no parameter is copied, and
@@ -35,7 +36,7 @@ padding, so a left-padded batch through ``prepare_batch`` gives one process's re
 ``check_model`` (and so ``prepare_batch``), the mask function and the attention function
 accept a converted model; an unconverted hybrid is refused with a message naming
 ``convert_mixers``. Families whose layers ``convert_mixers`` does not know
-(MiniMax's lightning attention, Zamba, ...) are refused by it with
+(Zamba, Kimi Linear, ...) are refused by it with
 a ValueError naming the family.
 """
 
@@ -55,7 +56,7 @@ _CONVERTED: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictio
 
 CONVERTIBLE = frozenset({"qwen3_next", "qwen3_5_text", "lfm2", "granitemoehybrid",
                          "bamba", "mamba2", "nemotron_h", "falcon_h1", "jamba", "mamba",
-                         "falcon_mamba", "recurrent_gemma"})
+                         "falcon_mamba", "recurrent_gemma", "minimax"})
 """model_type of the families whose non-attention layers ``convert_mixers`` serves. Their
 attention layers call transformers' attention interface (some of their model classes do
 not declare ``_supports_attention_backend``, which ``check_model`` otherwise reads as
@@ -289,6 +290,50 @@ class _RecurrentBlock(_RingMixer):
         return self.linear_out(h * y), None
 
 
+class _Lightning(_RingMixer):
+    """MiniMax's lightning attention: a linear attention with a constant decay per head,
+    S_t = exp(-s) S_{t-1} + k_t v_t^T, o_t = q_t S_t (transformers computes it in blocks),
+    then RMSNorm, a sigmoid output gate and the output projection."""
+
+    def _ring_forward(self, hidden, ctx, **_):
+        from ..mixers import linear_recurrence
+
+        ring = _ring_args(ctx)
+        batch, length, _ = hidden.shape
+        heads, dim = self.num_attention_heads, self.head_dim
+        qkv = _masked(self.act_fn(self.qkv_proj(hidden)),
+                      _keep(ctx, batch, hidden.device, hidden.dtype))
+        q, k, v = torch.split(qkv.reshape(batch, length, heads, 3 * dim), dim, dim=3)
+        slope = self.slope_rate.reshape(heads).to(q.dtype)  # a buffer: no gradient
+
+        def scan(piece, state):
+            q_, k_, v_ = piece
+            s = state if state is not None else v_.new_zeros((batch, heads, dim, dim))
+            decay = torch.exp(-slope)[None, :, None, None]
+            out = []
+            for t in range(q_.shape[1]):
+                s = decay * s + k_[:, t, :, :, None] * v_[:, t, :, None, :]
+                out.append(torch.einsum("bhd,bhde->bhe", q_[:, t], s))
+            return torch.stack(out, dim=1), s
+
+        def transition(piece):
+            n = piece[0].shape[1]
+            return torch.exp(-slope * n)[None, :, None, None].expand(batch, heads, 1, 1)
+
+        def entry_output(piece, state):  # o_t gains exp(-s t) q_t S_0 (t = 1 .. n)
+            steps = torch.arange(1, piece[0].shape[1] + 1, device=q.device, dtype=q.dtype)
+            decay = torch.exp(-slope[None, :] * steps[:, None])  # [n, H]
+            return decay[None, :, :, None] * torch.einsum("bthd,bhde->bthe", piece[0], state)
+
+        out = linear_recurrence(scan, transition, (q, k, v), state_shape=(batch, heads, dim, dim),
+                                map_shape=(batch, heads, 1, 1), out_shape=(heads, dim),
+                                kind="diagonal", name="lightning attention",
+                                entry_output=entry_output, **ring)
+        out = self.norm(out.reshape(batch, length, heads * dim))
+        out = torch.sigmoid(self.output_gate(hidden)) * out
+        return self.out_proj(out), None
+
+
 _LAYERS = {
     "Qwen3NextGatedDeltaNet": _GatedDeltaNet,
     "Qwen3_5GatedDeltaNet": _GatedDeltaNet,
@@ -302,6 +347,7 @@ _LAYERS = {
     "MambaMixer": _Mamba,
     "FalconMambaMixer": _Mamba,
     "RecurrentGemmaRecurrentBlock": _RecurrentBlock,
+    "MiniMaxLightningAttention": _Lightning,
 }
 """transformers' sequence-mixer classes (by name) and the mixin of their converted class."""
 
