@@ -553,3 +553,8 @@ def convert(model):
     _CONVERTED[id(config)] = config
     check_model(model)
     return model
+
+
+if __name__ == "__main__":  # a library module: name the programs, do not exit 0
+    from ringattn._program import not_a_program
+    not_a_program(__spec__)
