@@ -1,7 +1,8 @@
 """Hybrid families converted by ``ra_hf.convert_mixers`` equal one process under context
 parallelism.
 
-For each converted family (Gated DeltaNet: Qwen3-Next, Qwen3.5; short convolution: LFM2;
+For each converted family (Gated DeltaNet: Qwen3-Next, Qwen3.5, Qwen3.5-MoE; short
+convolution: LFM2, LFM2-MoE;
 Mamba2: Granite 4 hybrid, Bamba, Mamba2, Nemotron-H, Falcon-H1 with and without its gated
 RMSNorm; Mamba: Jamba, Mamba, FalconMamba; RG-LRU: RecurrentGemma, whose padded batches are
 refused; lightning attention: MiniMax), batch kind ("plain", "padded": row 1 left-padded by 7,
@@ -50,6 +51,27 @@ def _qwen3_5():
         linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
         layer_types=["linear_attention", "full_attention"],
     ), tf.Qwen3_5ForCausalLM
+
+
+def _qwen3_5_moe():
+    import transformers as tf
+
+    return tf.Qwen3_5MoeTextConfig(
+        **{k: v for k, v in _COMMON.items() if k != "intermediate_size"}, head_dim=16,
+        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        layer_types=["linear_attention", "full_attention"],
+    ), tf.Qwen3_5MoeForCausalLM
+
+
+def _lfm2_moe():
+    import transformers as tf
+
+    return tf.Lfm2MoeConfig(
+        **{k: v for k, v in _COMMON.items() if k != "intermediate_size"}, intermediate_size=96,
+        moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
+        conv_L_cache=3, layer_types=["conv", "full_attention"]), tf.Lfm2MoeForCausalLM
 
 
 def _bamba():
@@ -101,11 +123,11 @@ def _falcon_mamba():
         tf.FalconMambaForCausalLM
 
 
-EXTRA = {"mamba": _mamba, "falcon_mamba": _falcon_mamba, "qwen3_5": _qwen3_5, "bamba": _bamba, "mamba2": _mamba2, "nemotron_h": _nemotron_h,
+EXTRA = {"qwen3_5_moe": _qwen3_5_moe, "lfm2_moe": _lfm2_moe, "mamba": _mamba, "falcon_mamba": _falcon_mamba, "qwen3_5": _qwen3_5, "bamba": _bamba, "mamba2": _mamba2, "nemotron_h": _nemotron_h,
          "falcon_h1_norm": _falcon_h1_norm}
 """Families the survey (tests/families.py) does not build yet."""
 
-CONVERTED = ("qwen3_next", "qwen3_5", "lfm2", "granitemoehybrid", "bamba", "mamba2",
+CONVERTED = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "granitemoehybrid", "bamba", "mamba2",
              "nemotron_h", "falcon_h1", "falcon_h1_norm", "jamba", "mamba", "falcon_mamba",
              "recurrent_gemma", "minimax")
 

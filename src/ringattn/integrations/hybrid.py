@@ -54,7 +54,8 @@ __all__ = ["CONVERTIBLE", "convert_mixers", "mixers_converted"]
 _CONVERTED: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 """Configs of models whose every sequence mixer ``convert_mixers`` replaced, by id."""
 
-CONVERTIBLE = frozenset({"qwen3_next", "qwen3_5_text", "lfm2", "granitemoehybrid",
+CONVERTIBLE = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "lfm2_moe",
+                         "granitemoehybrid",
                          "bamba", "mamba2", "nemotron_h", "falcon_h1", "jamba", "mamba",
                          "falcon_mamba", "recurrent_gemma", "minimax"})
 """model_type of the families whose non-attention layers ``convert_mixers`` serves. Their
@@ -337,7 +338,9 @@ class _Lightning(_RingMixer):
 _LAYERS = {
     "Qwen3NextGatedDeltaNet": _GatedDeltaNet,
     "Qwen3_5GatedDeltaNet": _GatedDeltaNet,
+    "Qwen3_5MoeGatedDeltaNet": _GatedDeltaNet,
     "Lfm2ShortConv": _ShortConv,
+    "Lfm2MoeShortConv": _ShortConv,
     "GraniteMoeHybridMambaLayer": _Mamba2,
     "BambaMixer": _Mamba2,
     "Mamba2Mixer": _Mamba2,
