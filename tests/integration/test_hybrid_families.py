@@ -8,10 +8,10 @@ RMSNorm; Mamba: Jamba, Mamba, FalconMamba; RG-LRU: RecurrentGemma, whose padded 
 refused; lightning attention: MiniMax), batch kind ("plain", "padded": row 1 left-padded by 7,
 as in the family survey; "packed": one row of five documents of 1 to 15 tokens, their
 positions restarting at 0, compared with one process running each document as its own
-sequence) and world size W (2, 3; S = 37 divides neither 2W), every rank
+sequence; "contiguous": the plain batch on the contiguous layout) and world size W (2, 3; S = 37 divides neither 2W), every rank
 runs the one-process reference (transformers' "eager" attention and its own mixers on the
 whole batch, with the 2-D attention mask) and the CP run: the model built with
-attn_implementation="ringattn", ``convert_mixers``, ``prepare_batch`` (zigzag) and
+attn_implementation="ringattn", ``convert_mixers``, ``prepare_batch`` (zigzag unless said) and
 ``model(**local)``. Gathered logits on real tokens, the sum of the ranks' losses and every
 parameter gradient summed over the ranks must be within 1e-5 of the reference (the
 survey's ``_errors``). All cases of one W run in ONE cluster call.
@@ -38,7 +38,10 @@ from test_transformers import _batch
 
 pytest.importorskip("transformers")
 
-KINDS = {"plain": "plain", "padded": "left-padding", "packed": "packed"}
+KINDS = {"plain": "plain", "padded": "left-padding", "packed": "packed",
+         "contiguous": "plain"}
+"""Our case name -> test_transformers' batch; "contiguous" is the plain batch on the
+contiguous layout (every other case: zigzag, per document when packed)."""
 WORLDS = (2, 3)
 GROUP_TIMEOUT_S = 30.0
 
@@ -146,21 +149,22 @@ def _build(name: str, attn: str):
     return cls(cfg).float()
 
 
-def _cp_run(name: str, batch: dict, group):
+def _cp_run(name: str, batch: dict, group, layout: str = LAYOUT):
     from ringattn.integrations import transformers as ra_hf
 
     model = ra_hf.convert_mixers(_build(name, "ringattn"))
-    local = ra_hf.prepare_batch(model, batch, group=group, layout=LAYOUT)
+    local = ra_hf.prepare_batch(model, batch, group=group, layout=layout)
     out = model(**local, use_cache=False)
     local["ring_context"].check_consumed(model)
     out.loss.backward()
     return model, out, local["ring_context"].cu_seqlens
 
 
-def _packed_errors(ref_model, ref, model, out, group, cu) -> dict:
-    """``_errors`` (the survey's) for a packed row, whose shards follow its documents."""
+def _own_errors(ref_model, ref, model, out, group, cu, layout=LAYOUT) -> dict:
+    """``_errors`` (the survey's) for a batch without padding on any layout, also a packed
+    row (whose shards follow its documents)."""
     loss = out.loss.detach().clone()
-    logits = ra.unshard(out.logits.detach(), group=group, layout=LAYOUT, seqlen=SEQLEN,
+    logits = ra.unshard(out.logits.detach(), group=group, layout=layout, seqlen=SEQLEN,
                         cu_seqlens=cu)
     grads = _flat_grads(model)
     dist.all_reduce(loss, group=group)
@@ -217,9 +221,11 @@ def exact_cases(names) -> dict:
                 ref.loss.backward()
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
             try:
-                model, out, cu = _cp_run(name, batch, group)
-                if kind == "packed":
-                    results[(name, kind)] = _packed_errors(ref_model, ref, model, out, group, cu)
+                layout = "contiguous" if kind == "contiguous" else LAYOUT
+                model, out, cu = _cp_run(name, batch, group, layout)
+                if kind in ("packed", "contiguous"):
+                    results[(name, kind)] = _own_errors(ref_model, ref, model, out, group, cu,
+                                                        layout)
                 else:
                     results[(name, kind)] = _errors(batch, ref_model, ref, model, out, group)
             except Exception as exc:  # reported per case by the test
