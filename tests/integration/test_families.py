@@ -152,14 +152,17 @@ EXPECTED = {
     "gptj": EXACT,  # transformers >= 5.24 calls the attention interface
     "gpt_neo": EXACT,  # built eager, ra_hf.convert puts ring attention in its module
     "nemotron": EXACT,
-    # hybrids: recurrent / convolutional / state-space layers would run on the local shard
-    "qwen3_next": REFUSED,
-    "lfm2": REFUSED,
-    "jamba": REFUSED,
-    "falcon_h1": REFUSED,
-    "granitemoehybrid": REFUSED,
-    "recurrent_gemma": REFUSED,
-    "minimax": REFUSED,
+    # hybrids: ra_hf.convert runs their recurrent / convolutional / state-space layers across
+    # ranks (convert_mixers; tests/integration/test_hybrid_families.py has more of them)
+    "qwen3_next": EXACT,
+    "lfm2": EXACT,
+    "jamba": EXACT,
+    "falcon_h1": EXACT,
+    "granitemoehybrid": EXACT,
+    # its recurrent block reads the padding tokens (transformers masks nothing there), which
+    # shard_batch replaces: left padding is refused
+    "recurrent_gemma": {"plain": EXACT, "padded": REFUSED},
+    "minimax": EXACT,
 }
 
 
@@ -186,6 +189,14 @@ EXPECTED_SHARD = {
     "nemotron": REFUSED,
     "xglm": REFUSED,
     "biogpt": REFUSED,
+    # unconverted hybrids: their sequence layers would see only the shard
+    "qwen3_next": REFUSED,
+    "lfm2": REFUSED,
+    "jamba": REFUSED,
+    "falcon_h1": REFUSED,
+    "granitemoehybrid": REFUSED,
+    "recurrent_gemma": REFUSED,
+    "minimax": REFUSED,
 }
 
 
@@ -378,15 +389,22 @@ def test_family_is_exact_or_refuses(surveyed, worst_errors, family, kind, world,
 
 
 def test_convert_refuses_what_it_cannot_make_exact():
-    """convert raises check_model's ValueError for a family it does not serve (a hybrid,
-    a family computing attention itself); converting
-    twice is a no-op (one hook)."""
+    """convert raises a ValueError for a family it does not serve (a hybrid whose layers
+    convert_mixers does not know, a learned dense mask); converting twice is a no-op (one
+    hook)."""
+    import transformers as tf
+
     from ringattn.integrations import transformers as ra_hf
 
     ra_hf.register()
-    for name in ("qwen3_next", "doge"):
-        with pytest.raises(ValueError, match="cannot run"):
-            ra_hf.convert(build(name, "ringattn"))
+    with pytest.raises(ValueError, match="cannot run"):
+        ra_hf.convert(build("doge", "ringattn"))
+    zamba = tf.Zamba2Config(vocab_size=97, hidden_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, mamba_d_state=8, mamba_headdim=16,
+                            n_mamba_heads=8, layers_block_type=["mamba", "hybrid"])
+    zamba._attn_implementation = "ringattn"
+    with pytest.raises(ValueError, match="zamba2"):
+        ra_hf.convert(tf.Zamba2ForCausalLM(zamba))
     model = build("mixtral", "ringattn")
     assert ra_hf.convert(ra_hf.convert(model)) is model
     assert len(model._forward_hooks) == 1 and ra_hf.global_router_loss(model.config)

@@ -514,8 +514,10 @@ def convert(model):
     Returns:
         ``model`` itself, with hooks on its own modules: a global router auxiliary loss
         (MoE families with ``output_router_logits``), Llama 4's query temperature from
-        global positions. A model that needs neither comes back unchanged. Converting
-        twice is a no-op.
+        global positions; ring attention inside the attention modules of families that
+        compute attention themselves; and, for hybrid families (``hybrid.CONVERTIBLE``),
+        their sequence mixers across ranks (``convert_mixers``). A model that needs none of
+        these comes back unchanged. Converting twice is a no-op.
 
     Raises:
         ValueError: ``check_model`` refuses the model for something else (a family that
@@ -524,16 +526,22 @@ def convert(model):
     """
     from .transformers import _computes_attention_itself, _config_problem, check_model
 
+    from .hybrid import CONVERTIBLE, convert_mixers
+
     config = getattr(model, "config", None)
     if config is None:
         raise TypeError(f"convert takes a transformers model, got {type(model).__name__}")
     if converted(config):
         return model
+    if getattr(config, "model_type", None) in CONVERTIBLE:  # hybrid: its sequence mixers
+        convert_mixers(model)
     problem = _config_problem(config, router=False)  # what convert does not make global
     if problem is not None:
         raise ValueError(f"ring attention cannot run {type(model).__name__} exactly: {problem}")
     own = hasattr(model, "is_backend_compatible") and not model.is_backend_compatible()
-    if own and not convertible(getattr(config, "model_type", None)):
+    family = getattr(config, "model_type", None)
+    # hybrids whose classes say so still call the interface (test_hybrid_families.py)
+    if own and not convertible(family) and family not in CONVERTIBLE:
         raise ValueError(_computes_attention_itself(type(model).__name__))
     asked = bool(getattr(config, "output_router_logits", False))
     problem = _router_loss_problem(model) if hasattr(model, "router_aux_loss_coef") else "none"
@@ -543,7 +551,6 @@ def convert(model):
         model.register_forward_hook(_router_hook, with_kwargs=True)
         _GLOBAL_ROUTER[id(config)] = config
     _convert_temperature(model)
-    family = getattr(config, "model_type", None)
     if family in _ALIBI:
         _convert_alibi(model)
     elif family in _RELAY:

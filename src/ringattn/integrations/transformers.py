@@ -84,14 +84,16 @@ _SEQUENCE_MIXERS = frozenset({
 """Families with non-attention sequence layers, for configs that list no layer types."""
 
 
-def _config_problem(config, router: bool = True) -> str | None:
-    """Why ring attention cannot give this model's exact result, or None (``router``:
-    whether an unconverted router auxiliary loss counts)."""
+def _config_problem(config, router: bool = True, mixers: bool = True) -> str | None:
+    """Why ring attention cannot give this model's exact result, or None (``router``,
+    ``mixers``: whether an unconverted router auxiliary loss, and unconverted sequence
+    mixers of a family ``convert`` serves, count)."""
     name = getattr(config, "model_type", type(config).__name__)
-    convert = (f" (convert it first: ringattn.integrations.transformers.convert_mixers(model))"
+    convert = (f" (convert it first: ringattn.integrations.transformers.convert(model))"
                if name in CONVERTIBLE else "")
+    done = mixers_converted(config) or (not mixers and name in CONVERTIBLE)
     for field in _LAYER_TYPE_FIELDS:
-        if mixers_converted(config):
+        if done:
             break
         kinds = getattr(config, field, None)
         if isinstance(kinds, (list, tuple)):
@@ -102,7 +104,7 @@ def _config_problem(config, router: bool = True) -> str | None:
     if name in _OWN_MASKS:
         return (f"{name} computes a dense attention mask of its own (learned from the inputs), "
                 f"which cannot be sharded")
-    if name in _SEQUENCE_MIXERS and not mixers_converted(config):
+    if name in _SEQUENCE_MIXERS and not done:
         return (f"{name} has sequence layers other than attention (state-space, linear "
                 f"attention or convolution), which would see only this rank's shard{convert}")
     if router and getattr(config, "output_router_logits", False) and not global_router_loss(config):
@@ -127,8 +129,9 @@ def check_model(model, config=None) -> None:
             classes, such as Falcon's and GPT-Neo's, fail inside transformers'
             constructor with a bare KeyError when asked for a registered attention name).
         config: the config to check with a class (a model's own config otherwise). A class
-            is not refused for a router auxiliary loss, which ``convert`` makes global
-            after building (``prepare_batch`` checks the built model).
+            is not refused for a router auxiliary loss or for sequence mixers that
+            ``convert`` makes global after building (``prepare_batch`` checks the built
+            model).
 
     Raises:
         ValueError: the model class computes attention itself (never calls the registered
@@ -150,8 +153,9 @@ def check_model(model, config=None) -> None:
         raise ValueError(_computes_attention_itself(cls.__name__) + (
             "; convert the model first (ringattn.integrations.transformers.convert)"
             if convertible(family) else ""))
+    built = not isinstance(model, type)
     problem = None if config is None or isinstance(config, property) else _config_problem(
-        config, router=not isinstance(model, type))
+        config, router=built, mixers=built)
     if problem is not None:
         raise ValueError(f"ring attention cannot run {cls.__name__} exactly: {problem}")
 
