@@ -497,8 +497,13 @@ def breakdown(seqlens, worlds, rounds, out_dir: Path) -> dict:
             state = torch.randn(1, h, dk, dv, generator=g)
             leaves = [t.requires_grad_() for t in (q, k, v, gg, beta, state)]
 
+            def kernel_scan(piece, entering):  # the scan the gdn block's CP run uses
+                return torch_chunk_gated_delta_rule(*piece, chunk_size=CHUNK,
+                                                    initial_state=entering,
+                                                    output_final_state=True)
+
             def transition():
-                m = _gdn_transition(k, gg, beta)
+                m = _gdn_transition(k, gg, beta, scan=kernel_scan)
                 torch.autograd.grad(m, [k, gg, beta], torch.ones_like(m))
 
             def scan():
