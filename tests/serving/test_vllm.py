@@ -121,11 +121,9 @@ def served(tmp_path_factory):
     return cases, vllm
 
 
-def ours(case: dict, which: str):
-    """speculative_generate with the exported draft read back: per prompt (output, every
-    round's proposals)."""
-    target = load_target(case["target"], attn_implementation="eager")
-    draft = load_draft(case[which]).eval()
+def generate(target, draft):
+    """speculative_generate of every prompt with ``draft``: per prompt (output, every
+    round's proposals, tokens per round)."""
     results = []
     for prompt in PROMPTS:
         rounds = []
@@ -142,6 +140,12 @@ def ours(case: dict, which: str):
             evaluate._propose = original
         results.append((out, rounds, per_round))
     return results
+
+
+def ours(case: dict, which: str):
+    """``generate`` with the exported draft read back."""
+    target = load_target(case["target"], attn_implementation="eager")
+    return generate(target, load_draft(case[which]).eval())
 
 
 @pytest.mark.timeout(3600)
@@ -280,19 +284,7 @@ def test_vllm_serves_a_modelopt_draft_as_ringattn_exports_it(served_modelopt):
     draft = ra_mo.served_draft(case["model"]).eval()
     target = load_target(case["target"], attn_implementation="eager")
     differs = {"modelopt-export": 0, "sglang-export": 0}
-    for i, prompt in enumerate(PROMPTS):
-        rounds = []
-
-        def propose(draft_, ids, aux, k):
-            rounds.append(evaluate.draft_chain(draft_, ids, aux, k)[0])
-            return rounds[-1]
-
-        original, evaluate._propose = evaluate._propose, propose
-        try:
-            out, _ = evaluate.speculative_generate(target, draft, torch.tensor(prompt),
-                                                   max_new_tokens=NEW, draft_len=K)
-        finally:
-            evaluate._propose = original
+    for i, (out, rounds, _) in enumerate(generate(target, draft)):
         ours = vllm["ringattn-export"][i]
         assert ours["output"] == out, i
         for r, props in enumerate(rounds):
