@@ -347,7 +347,7 @@ def run_target(target, batch: dict, *, group=None, layout: str = "zigzag",
             sharded["cu_seqlens"] = cu
         local = shard_batch(sharded, group=group, layout=layout, strategy=strategy)
         out, aux = capture_aux_hidden(target, layers, input_ids=local["input_ids"],
-                                      position_ids=local["position_ids"],
+                                      position_ids=local["position_ids"], use_cache=False,
                                       ring_context=local["ring_context"])
         local["ring_context"].check_consumed(target)
         local_ids = local["input_ids"]
