@@ -463,6 +463,8 @@ def _trainer_main(out: str) -> None:
         with open(f"{out}/losses.{name}.{rank}.json", "w") as f:
             json.dump({"losses": losses, "accs": trainer.train_accs}, f)
         torch.save(_draft_state(model), f"{out}/draft.{name}.{rank}.pt")
+    dist.barrier()  # leave together: a rank tearing gloo down early can abort the other
+    dist.destroy_process_group()
 
 
 @pytest.mark.timeout(300)

@@ -188,6 +188,11 @@ def main(argv=None) -> int:
     if args.export and trainer.is_world_process_zero():
         ra_mo.export_draft(model, args.export, "speculators",
                            target=recipe.model.model_name_or_path)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # leave together: a rank tearing gloo down early aborts another
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 
