@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ringattn.apps.eagle3_train import Eagle3Config, build_draft, make_batches
 from ringattn.eagle3.draft import eagle3_step, run_target
-from reference import rel_err
+from test_eagle3_training import step_errors
 
 FP32_TOL = 1e-5
 TTT = 3
@@ -49,20 +49,8 @@ def step_vs_one_process(layout: str):
     assert batch["attention_mask"].sum() < batch["attention_mask"].numel()  # padded
     res = eagle3_step(draft, run_target(cp_target, batch, group=dist.group.WORLD,
                                         layout=layout), steps=TTT)
-    res.loss.backward()
-    total = res.loss.detach().clone()
-    dist.all_reduce(total)
     one = eagle3_step(draft_one, run_target(one_target, batch), steps=TTT)
-    one.loss.backward()
-    errs = {"total loss": rel_err(total.double(), one.loss.detach().double())}
-    for j in range(TTT):
-        errs[f"loss step {j}"] = abs(res.losses[j] - one.losses[j]) / abs(one.losses[j])
-        errs[f"accuracy step {j}"] = abs(res.accuracies[j] - one.accuracies[j])
-    for n, p in draft_one.named_parameters():
-        if p.requires_grad:
-            g = dict(draft.named_parameters())[n].grad.clone()
-            dist.all_reduce(g)  # each rank holds the gradient of its share of the loss
-            errs[f"grad {n}"] = rel_err(g.double(), p.grad.double())
+    errs = step_errors(res, draft, one, draft_one, TTT)
     try:  # unconverted, its gated delta nets would see only the shard: refused
         run_target(_target("ringattn"), batch, group=dist.group.WORLD, layout=layout)
         refusal = None

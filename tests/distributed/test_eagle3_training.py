@@ -31,6 +31,27 @@ def _models(cfg):
     return cp_target, one_target, draft, copy.deepcopy(draft)
 
 
+def step_errors(res, draft, one, draft_one, ttt_steps: int) -> dict:
+    """{name: relative error} of a CP step's results ``res`` (this rank's share of the loss;
+    backward run here) against one process's ``one``: the total and every TTT step's loss,
+    every step's accuracy, and every draft gradient (summed over the ranks)."""
+    res.loss.backward()
+    total = res.loss.detach().clone()
+    dist.all_reduce(total)
+    grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
+    for g in grads.values():
+        dist.all_reduce(g)  # each rank holds the gradient of its share of the loss
+    one.loss.backward()
+    errs = {"total loss": rel_err(total.double(), one.loss.detach().double())}
+    for j in range(ttt_steps):
+        errs[f"loss step {j}"] = abs(res.losses[j] - one.losses[j]) / abs(one.losses[j])
+        errs[f"accuracy step {j}"] = abs(res.accuracies[j] - one.accuracies[j])
+    for n, p in draft_one.named_parameters():
+        if p.requires_grad:
+            errs[f"grad {n}"] = rel_err(grads[n].double(), p.grad.double())
+    return errs
+
+
 def run_step_vs_one_process(layout, seqlen, ttt_steps, strategy="ring", mesh_shape=None):
     """Rank side: relative differences of the CP step from the one-process dense step
     (target and draft attention by ``strategy``; the hybrid on a mesh of ``mesh_shape``)."""
@@ -51,21 +72,8 @@ def run_step_vs_one_process(layout, seqlen, ttt_steps, strategy="ring", mesh_sha
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         res = eagle3_step(draft, run_target(cp_target, batch, group=group, layout=layout,
                                             strategy=strategy), steps=ttt_steps)
-    res.loss.backward()
-    total = res.loss.detach().clone()
-    dist.all_reduce(total)
-    grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
-    for g in grads.values():
-        dist.all_reduce(g)  # each rank holds the gradient of its share of the loss
     one = eagle3_step(draft_one, run_target(one_target, batch), steps=ttt_steps)
-    one.loss.backward()
-    errs = {"total loss": rel_err(total.double(), one.loss.detach().double())}
-    for j in range(ttt_steps):
-        errs[f"loss step {j}"] = abs(res.losses[j] - one.losses[j]) / abs(one.losses[j])
-        errs[f"accuracy step {j}"] = abs(res.accuracies[j] - one.accuracies[j])
-    for n, p in draft_one.named_parameters():
-        if p.requires_grad:
-            errs[f"grad {n}"] = rel_err(grads[n].double(), p.grad.double())
+    errs = step_errors(res, draft, one, draft_one, ttt_steps)
     # no activation kept for the backward spans the global sequence (striped's halo is
     # about min(T, W - 1) shards, so the bound applies to the other layouts)
     biggest = max(max(s) for s in saved if s)
