@@ -444,6 +444,29 @@ def _hand_context(model, args, kwargs):
     return None
 
 
+# -- more families, one module per kind of layer ----------------------------------------------
+
+_MORE = ("_hybrid_zamba", "_hybrid_delta", "_hybrid_more", "_hybrid_rnn")
+"""Modules of this package that convert more families' layers with the mixins above: each
+defines ``LAYERS`` (transformers' class name -> mixin), ``FAMILIES`` (model_type) and
+``KWARGS_STOP`` (the families among them whose model does not pass ``ring_context`` on)."""
+
+
+def _extend() -> frozenset:
+    import importlib
+
+    families = set(CONVERTIBLE)
+    for name in _MORE:
+        module = importlib.import_module(f".{name}", __package__)
+        _LAYERS.update(module.LAYERS)
+        families |= set(module.FAMILIES)
+        globals()["_KWARGS_STOP"] = _KWARGS_STOP | frozenset(module.KWARGS_STOP)
+    return frozenset(families)
+
+
+CONVERTIBLE = _extend()
+
+
 if __name__ == "__main__":  # a library module: name the programs, do not exit 0
     from ringattn._program import not_a_program
     not_a_program(__spec__)
