@@ -159,8 +159,8 @@ EXPECTED = {
     "jamba": EXACT,
     "falcon_h1": EXACT,
     "granitemoehybrid": EXACT,
-    # its recurrent block reads the padding tokens (transformers masks nothing there), which
-    # shard_batch replaces: left padding is refused
+    # its recurrent block reads the padding positions (transformers masks nothing there),
+    # whose attention outputs are undefined after an attention layer: left padding is refused
     "recurrent_gemma": {"plain": EXACT, "padded": REFUSED},
     "minimax": EXACT,
 }

@@ -253,8 +253,10 @@ class _RecurrentBlock(_RingMixer):
     """RecurrentGemma's recurrent block: GeLU(W_y x) times RG-LRU(conv(W_x x)), where the
     RG-LRU is h_t = a_t h_{t-1} + sqrt(1 - a_t^2) (i_t x_t) (a_t = 0 and no normalisation
     where the position id is 0), a diagonal recurrence in float32. transformers' block does
-    not mask padding (a padded row's real tokens read its padding tokens), so a padded
-    batch is refused: ``shard_batch`` replaces the padding tokens."""
+    not mask padding: a padded row's real tokens read its padding positions, which after an
+    attention layer hold the outputs of queries that see no key (undefined: with a
+    recurrent layer after an attention layer, transformers' eager and sdpa attention differ
+    by 1.8% relative on the real tokens of a left-padded row). A padded batch is refused."""
 
     _stateful = True  # use_cache=True makes transformers' block keep its states
 
@@ -263,9 +265,12 @@ class _RecurrentBlock(_RingMixer):
 
         if ctx.mask is not None or position_ids is None:
             raise ValueError(
-                "RecurrentGemma's recurrent block reads the padding tokens of a padded row "
-                "(transformers does not mask them), which ringattn.shard_batch replaces: "
-                "its padded batches cannot be sharded exactly; pack or drop the padding"
+                "RecurrentGemma's recurrent block reads the padding positions of a padded "
+                "row (transformers masks nothing there), and after an attention layer those "
+                "hold the output of queries that see no key, which no attention defines "
+                "(transformers' own eager and sdpa differ there): its padded batches have no "
+                "exact result to match; pack the rows (position_ids restarting at 0) or drop "
+                "the padding"
                 if ctx.mask is not None else
                 "RecurrentGemma's recurrent block needs the position ids (its state resets "
                 "where they are 0)")
