@@ -347,6 +347,30 @@ def same_tag(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def check_origin(name: str, t, members: tuple[int, ...], used_by: str, dim: int | None = None,
+                 ndim: int | None = None, hint: str = "") -> None:
+    """Refuse a shard made over another group of ranks than ``members``, or (``dim`` given)
+    along another dim (of a tensor of another rank than ``ndim``, when given) than
+    ``used_by`` (e.g. "attended", "gathered") takes; ``hint`` ends the dim message.
+
+    Raises:
+        ValueError: naming the ranks or the dims.
+    """
+    tag = getattr(t, SHARD_TAG, None)
+    if tag is None:
+        return
+    if tag.members != tuple(members):
+        raise ValueError(
+            f"{name} was sharded by ringattn.shard over the ranks {list(tag.members)} but is "
+            f"{used_by} over the group of ranks {list(members)}: pass the group it was "
+            f"sharded over")
+    if dim is not None and (tag.dim != dim or (ndim is not None and tag.ndim != ndim)):
+        this = f"this {ndim}-D one" if ndim is not None else "the tensor"
+        raise ValueError(
+            f"{name} was sharded by ringattn.shard along dim {tag.dim} of a {tag.ndim}-D "
+            f"tensor, not dim {dim} of {this} as {used_by}{hint}")
+
+
 def check_tag(name: str, t, layout: "Layout", seqlen: int, cu_digest: int, rank: int,
               world: int, used_by: str) -> None:
     """Refuse a shard made with another placement, S or documents than ``used_by`` (e.g.

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import agree, collective, group_members, resolve_group
-from .layouts import (DEFAULT_LAYOUT, LAYOUT_NAMES, SHARD_TAG, check_tag, get_layout,
+from .layouts import (DEFAULT_LAYOUT, LAYOUT_NAMES, SHARD_TAG, check_origin, check_tag, get_layout,
                       local_positions, restore_index, tag_shard)
 from .masks import check_cu_seqlens
 
@@ -103,14 +103,7 @@ def _check(x, dim, layout, seqlen, group, what, local, cu_seqlens):
                              f"torch.empty_like(x, device='cpu'))")
         tag = getattr(x, SHARD_TAG, None) if local else None
         if tag is not None:
-            if tag.members != group_members(pg):
-                raise ValueError(
-                    f"{what}: the tensor was sharded over the ranks {list(tag.members)} but is "
-                    f"gathered over the group of ranks {list(group_members(pg))}: pass the "
-                    f"group it was sharded over")
-            if tag.dim != dim or tag.ndim != x.dim():
-                raise ValueError(f"{what}: the tensor was sharded along dim {tag.dim} of a "
-                                 f"{tag.ndim}-D tensor, not dim {dim} of this {x.dim()}-D one")
+            check_origin(f"{what}: the tensor", x, group_members(pg), "gathered", dim, x.dim())
             if seqlen is None and cu_seqlens is None:
                 seqlen = tag.seqlen  # the shard's own S: right even when S was padded
         lay, seqlen, cu_digest = _layout(layout, seqlen, cu_seqlens)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from .comm import (HYBRID_DIMS, RingComm, agree, caller_site, control_group, group_by_name, group_members,
                    is_hybrid_mesh, resolve_group, site_digest)
 from .kernels import available_kernels, get_kernel
-from .layouts import LAYOUT_NAMES, SHARD_TAG, Layout, check_tag, get_layout, same_tag
+from .layouts import LAYOUT_NAMES, SHARD_TAG, Layout, check_origin, check_tag, get_layout, same_tag
 from .masks import (Mask, check_cu_seqlens, document, fingerprint, head_offset,
                     registered_mask, sliding_window, value_digest)
 from .plan import Plan, make_plan, view_digest
@@ -108,19 +108,10 @@ def _check_shard_origin(name, t, pg):
     """A tensor made by ``ringattn.shard`` was sharded along dim 1 of [B, S_local, H, D]
     and over the ranks of the group it is attended over (checked before its length)."""
     tag = getattr(t, SHARD_TAG, None)
-    if tag is None:
-        return
-    dim, ndim, members = tag.dim, tag.ndim, tag.members
-    if ndim == 4 and dim != 1:
-        raise ValueError(
-            f"{name} was sharded by ringattn.shard along dim {dim}, but attention takes "
-            f"[B, S_local, H, D] with the sequence on dim 1: shard [B, S, H, D] tensors with "
-            f"dim=1 (an SDPA-layout [B, H, S, D] tensor needs .transpose(1, 2) first)")
-    if members != group_members(pg):
-        raise ValueError(
-            f"{name} was sharded by ringattn.shard over the ranks {list(members)} but is "
-            f"attended over the group of ranks {list(group_members(pg))}: shard and attend "
-            f"with the same group")
+    check_origin(name, t, group_members(pg), "attended",
+                 1 if tag is not None and tag.ndim == 4 else None, 4,
+                 " ([B, S_local, H, D], the sequence on dim 1): shard [B, S, H, D] tensors "
+                 "with dim=1 (an SDPA-layout [B, H, S, D] tensor needs .transpose(1, 2) first)")
 
 
 

@@ -22,7 +22,7 @@ import torch
 
 from .strategies.auto import STRATEGIES, attention
 from .validate import caller_error, check_strategy
-from .layouts import DEFAULT_LAYOUT, SHARD_TAG
+from .layouts import DEFAULT_LAYOUT, SHARD_TAG, check_origin
 from .masks import check_cu_seqlens
 
 __all__ = ["varlen_attention"]
@@ -52,9 +52,8 @@ def _as_batch(name: str, t):
     batch = t.unsqueeze(0)
     tag = getattr(t, SHARD_TAG, None)
     if tag is not None:
-        if tag.dim != 0:
-            raise ValueError(f"{name} was sharded by ringattn.shard along dim {tag.dim}, but "
-                             f"varlen_attention takes [T, heads, D] sharded along dim 0")
+        check_origin(name, t, tag.members, "passed to varlen_attention", 0, 3,
+                     " ([T, heads, D] sharded along dim 0)")
         setattr(batch, SHARD_TAG, tag._replace(dim=1, ndim=4))
     return batch
 

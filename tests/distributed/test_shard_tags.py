@@ -64,9 +64,9 @@ def test_unshard_honours_or_refuses_the_tag(clusters, world):
         f"seqlen={4 * world + 4}",
         "sharded with cu_seqlens (digest",
         "sharded with no cu_seqlens but is gathered by unshard with cu_seqlens",
-        "sharded along dim 2 of a 3-D tensor, not dim 1",
+        "sharded by ringattn.shard along dim 2 of a 3-D tensor, not dim 1",
         "meta device",
-        "sharded over the ranks [0, 1] but is gathered over the group of ranks",
+        "sharded by ringattn.shard over the ranks [0, 1] but is gathered over the group of ranks",
     ]
     for rank, (exact, refused) in enumerate(per_rank):
         assert all(exact), (rank, exact)

@@ -33,7 +33,7 @@ from ..strategies.hybrid import hybrid_attention
 from ..strategies.ulysses import ulysses_attention
 from ..validate import caller_error
 from ..comm import HYBRID_DIMS, agree, all_to_all_single, group_members, mesh_groups
-from ..layouts import SHARD_TAG, Contiguous, Layout, Segment, Striped, Zigzag, check_tag, tag_shard
+from ..layouts import SHARD_TAG, Contiguous, Layout, Segment, Striped, Zigzag, check_origin, check_tag, tag_shard
 
 __all__ = [
     "AttnType",
@@ -451,10 +451,8 @@ def _local_error(q, k, v, dropout_p, layout: Layout, pg, seqlen) -> Exception | 
         tag = getattr(t, SHARD_TAG, None)
         if tag is None:
             continue
-        if tag.members != group_members(pg):
-            return ValueError(f"{name} was sharded over the ranks {list(tag.members)} but is "
-                              f"attended over the ranks {list(group_members(pg))}")
         try:  # S: the shard's own when the call does not say (checked by the agreement)
+            check_origin(name, t, group_members(pg), "attended")
             check_tag(name, t, layout, tag.seqlen if seqlen is None else seqlen, -2,
                       dist.get_rank(pg), dist.get_world_size(pg), "attended by this module")
         except ValueError as exc:

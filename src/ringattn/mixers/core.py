@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import agree, all_gather_single, caller_site, group_members, reduce_scatter_single, resolve_group, site_digest
-from ..layouts import DEFAULT_LAYOUT, LAYOUT_NAMES, SHARD_TAG, check_tag, get_layout
+from ..layouts import DEFAULT_LAYOUT, LAYOUT_NAMES, SHARD_TAG, check_origin, check_tag, get_layout
 from ..masks import check_cu_seqlens
 from ..validate import describe_field
 from ._plan import Plan, conv_sources, make_plan
@@ -146,12 +146,8 @@ def _setup(what: str, tensors: dict, group, layout, seqlen, cu_seqlens, extra: d
             tag = getattr(t, SHARD_TAG, None)
             if tag is None:
                 continue
-            if tag.members != members:
-                raise ValueError(f"{what}: {name} was sharded over the ranks {list(tag.members)} "
-                                 f"but is mixed over the group of ranks {list(members)}")
-            if tag.dim != 1:
-                raise ValueError(f"{what}: {name} was sharded along dim {tag.dim}; the sequence "
-                                 f"is dim 1 of [B, S_local, ...]")
+            check_origin(f"{what}: {name}", t, members, "mixed", 1, t.dim(),
+                         " (the sequence is dim 1 of [B, S_local, ...])")
             check_tag(name, t, lay, seqlen, cu_digest, rank, world, f"mixed by {what}")
         n = t0.shape[1]
         if n != lay.local_len(seqlen, world):
