@@ -1,5 +1,5 @@
-"""ringattn.mixers: causal convolution and linear recurrences (diagonal, gated delta rule,
-Mamba2 SSD) under context parallelism equal a float64 token-by-token loop in one process:
+"""ringattn.mixers: causal convolution and linear recurrences (diagonal, gated delta rule
+with a gate per head or per key channel, Mamba2 SSD) under context parallelism equal a float64 token-by-token loop in one process:
 outputs and every input's gradient, on every rank, for each layout that serves them, S a
 multiple of the layout's unit or not, ranks with no real token, and packed documents; and
 the refusals (striped, ranks that disagree, one rank's bad input) raise on every rank."""
@@ -63,7 +63,9 @@ def ref_gdn(q, k, v, g, beta, scale, l2norm, cu):
         if t in starts:
             st = v.new_zeros(b, h, dk, v.shape[-1])
         kt, bt = k[:, t], beta[:, t, :, None, None]
-        m = torch.exp(g[:, t])[..., None, None] * (eye - bt * torch.einsum("bhi,bhj->bhij", kt, kt))
+        decay = torch.exp(g[:, t])  # [b, h] per head, or [b, h, dk] per key channel (KDA)
+        decay = torch.diag_embed(decay) if decay.dim() == 3 else decay[..., None, None] * eye
+        m = (eye - bt * torch.einsum("bhi,bhj->bhij", kt, kt)) @ decay
         st = m @ st + bt * torch.einsum("bhi,bhj->bhij", kt, v[:, t])
         out.append(torch.einsum("bhkv,bhk->bhv", st, q[:, t] * scale))
     return torch.stack(out, dim=1)
@@ -111,6 +113,11 @@ def _case(family, layout, seqlen, cu, dtype, seed):
                 "g": -rnd(b, seqlen, 2, scale=0.3).abs(),
                 "beta": torch.sigmoid(rnd(b, seqlen, 2))}
         par = {}
+    elif family == "kda":  # the gated delta rule with a gate per key channel (Kimi Linear)
+        glob = {"q": rnd(b, seqlen, 2, 3), "k": rnd(b, seqlen, 2, 3), "v": rnd(b, seqlen, 2, 2),
+                "g": -rnd(b, seqlen, 2, 3, scale=0.3).abs(),
+                "beta": torch.sigmoid(rnd(b, seqlen, 2))}
+        par = {}
     else:  # ssd
         glob = {"x": rnd(b, seqlen, 2, 2), "dt": rnd(b, seqlen, 2), "B": rnd(b, seqlen, 1, 3),
                 "C": rnd(b, seqlen, 1, 3)}
@@ -124,7 +131,7 @@ def _case(family, layout, seqlen, cu, dtype, seed):
         out = mixers.causal_conv1d(sh["x"], p["w"], p["bias"], activation="silu", **kw)
     elif family == "diag":
         out = mixers.diagonal_recurrence(sh["a"], sh["x"], **kw)
-    elif family == "gdn":
+    elif family in ("gdn", "kda"):
         out = mixers.gated_delta_rule(sh["q"], sh["k"], sh["v"], sh["g"], sh["beta"],
                                       use_qk_l2norm=True, **kw)
     else:
@@ -145,7 +152,7 @@ def _case(family, layout, seqlen, cu, dtype, seed):
         want = ref_conv(ref["x"], ref["w"], ref["bias"], True, cu)
     elif family == "diag":
         want = ref_diag(ref["a"], ref["x"], cu)
-    elif family == "gdn":
+    elif family in ("gdn", "kda"):
         want = ref_gdn(ref["q"], ref["k"], ref["v"], ref["g"], ref["beta"], 1 / math.sqrt(3), True, cu)
     else:
         want = ref_ssd(ref["x"], ref["dt"], ref["A"], ref["B"], ref["C"], ref["D"], ref["dt_bias"], cu)
@@ -158,7 +165,7 @@ def _case(family, layout, seqlen, cu, dtype, seed):
 
 def _out_shape(family, b, seqlen):
     return {"conv": (b, seqlen, 3), "diag": (b, seqlen, 3), "gdn": (b, seqlen, 2, 2),
-            "ssd": (b, seqlen, 2, 2)}[family]
+            "ssd": (b, seqlen, 2, 2), "kda": (b, seqlen, 2, 2)}[family]
 
 
 def exact_cases():
@@ -177,7 +184,8 @@ def exact_cases():
     if world > 2:  # the layouts' arithmetic again, fewer shapes
         shapes = shapes[2:6] + shapes[7:]
     worst = {}
-    cases = [(family, *shape) for family in ("conv", "diag", "gdn", "ssd") for shape in shapes]
+    cases = [(family, *shape) for family in ("conv", "diag", "gdn", "ssd", "kda")
+             for shape in shapes]
     for i, (family, layout, s, cu) in enumerate(cases):
         runs = ((torch.float64, 1e-10),) + (((torch.float32, 1e-5),) if i % 5 == 0 else ())
         for dtype, tol in runs:
@@ -193,7 +201,7 @@ def exact_cases():
 def test_exact_against_one_process(clusters, world):
     results = clusters(world).run(exact_cases, timeout=200)
     n = results[0][0]
-    assert n == 4 * (8 if world == 2 else 5) and all(r[0] == n for r in results)
+    assert n == 5 * (8 if world == 2 else 5) and all(r[0] == n for r in results)
     assert {k[1] for k in results[0][1]} == {"torch.float64", "torch.float32"}
 
 
@@ -209,6 +217,7 @@ def kernels_fit():
     from functools import partial
 
     from transformers.models.mamba2.modeling_mamba2 import causal_conv1d_fn, mamba2_chunk_scan
+    from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
     world = dist.get_world_size()
@@ -246,6 +255,19 @@ def kernels_fit():
             got = mixers.causal_conv1d(ra.shard(xc, **kw), wc, bc, activation="silu", **kw)
             want = causal_conv1d_fn(xc.transpose(1, 2), wc, bc, activation="silu").transpose(1, 2)
             hf_errs.append(_err(ra.unshard(got, **kw), want))
+        # a gate per key channel (Kimi Delta Attention) with Kimi Linear's chunked kernel
+        g = torch.Generator().manual_seed(seqlen + 1)
+        q, k = (torch.randn(1, seqlen, 2, 4, generator=g, dtype=torch.float64) for _ in range(2))
+        v = torch.randn(1, seqlen, 2, 3, generator=g, dtype=torch.float64)
+        gk = -torch.rand(1, seqlen, 2, 4, generator=g, dtype=torch.float64)
+        beta = torch.rand(1, seqlen, 2, generator=g, dtype=torch.float64)
+        kouts = [mixers.gated_delta_rule(*(ra.shard(t, **kw) for t in (q, k, v, gk, beta)),
+                                         use_qk_l2norm=True, kernel=kern, **kw)
+                 for kern in (None, partial(chunk_kimi_delta_attention, chunk_size=4))]
+        errs.append(_err(kouts[1], kouts[0]))
+        if cu is None:
+            want = chunk_kimi_delta_attention(q, k, v, gk, beta, use_qk_l2norm_in_kernel=True)[0]
+            hf_errs.append(_err(ra.unshard(kouts[0], **kw), want.double()))
     return max(errs), max(hf_errs)
 
 

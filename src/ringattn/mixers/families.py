@@ -89,7 +89,8 @@ def _gdn_scan(q, k, v, g, beta, state, scale):
     s = state if state is not None else v.new_zeros((b, h, dk, dv))
     out = []
     for t in range(n):
-        s = s * g[:, t].exp()[..., None, None]
+        decay = g[:, t].exp()  # [B, H] (per head) or [B, H, dk] (per key channel)
+        s = s * (decay[..., None] if decay.dim() == 3 else decay[..., None, None])
         kt = k[:, t]
         remembered = (s * kt[..., None]).sum(dim=-2)  # k^T S: [B, H, dv]
         delta = (v[:, t] - remembered) * beta[:, t][..., None]
@@ -101,10 +102,11 @@ def _gdn_scan(q, k, v, g, beta, state, scale):
 def _gdn_entry_scan(scan, q, k, g, beta):
     """The run's entering-state maps from ONE call of its own scan: the recurrence is linear
     in (state, v), so scanning with v = 0 (width dk) from the identity state leaves P_t, the
-    product exp(g_t) (I - beta_t k_t k_t^T) ... exp(g_1) (I - beta_1 k_1 k_1^T), as its
-    state: the final state is the run's transition map M = P_n [B, H, dk, dk], and its
-    outputs are o_t = P_t^T (scale q_t) [B, n, H, dk], so entering with S adds o_t^T S to
-    token t's output. Same q/k conventions (scale, l2norm, grouped heads) as the real scan."""
+    product M_t ... M_1 of M_t = (I - beta_t k_t k_t^T) D_t (D_t = exp(g_t), a scalar or,
+    with a gate per key channel, the diagonal matrix diag(exp(g_t))), as its state: the
+    final state is the run's transition map M = P_n [B, H, dk, dk], and its outputs are
+    o_t = P_t^T (scale q_t) [B, n, H, dk], so entering with S adds o_t^T S to token t's
+    output. Same q/k conventions (scale, l2norm, grouped heads) as the real scan."""
     b, n, h, dk = k.shape
     eye = torch.eye(dk, dtype=k.dtype, device=k.device).expand(b, h, dk, dk).contiguous()
     o, m = scan((q, k, k.new_zeros((b, n, h, dk)), g, beta), eye)
@@ -112,7 +114,7 @@ def _gdn_entry_scan(scan, q, k, g, beta):
 
 
 def _gdn_transition(k, g, beta, scan=None):
-    """prod_t exp(g_t) (I - beta_t k_t k_t^T), later tokens on the left: [B, H, dk, dk]
+    """prod_t (I - beta_t k_t k_t^T) exp(g_t), later tokens on the left: [B, H, dk, dk]
     (the final state of ``_gdn_entry_scan``; ``scan`` defaults to the token loop)."""
     if scan is None:
         def scan(piece, state):
@@ -125,21 +127,25 @@ def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      use_qk_l2norm: bool = False, kernel=None, group=None,
                      layout: str = DEFAULT_LAYOUT, seqlen: int | None = None,
                      cu_seqlens=None) -> torch.Tensor:
-    """The gated delta rule (Gated DeltaNet, Qwen3-Next's linear attention) under context
-    parallelism, with transformers' ``torch_chunk_gated_delta_rule`` conventions:
-    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T (scale q_t),
-    S = 0 before each document.
+    """The gated delta rule (Gated DeltaNet, Qwen3-Next's linear attention; with a gate per
+    key channel, Kimi Delta Attention) under context parallelism, with transformers'
+    ``torch_chunk_gated_delta_rule`` conventions:
+    S_t = (I - beta_t k_t k_t^T) D_t S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T (scale q_t),
+    S = 0 before each document, where D_t = exp(g_t) (one decay per head) or
+    diag(exp(g_t)) (one decay per key channel, Kimi Linear's ``chunk_kimi_delta_attention``).
 
     Arguments:
         query, key: [B, L, Hk, dk]; value: [B, L, Hv, dv] (Hv a multiple of Hk: each key
-            head serves Hv / Hk consecutive value heads); g (log decay, <= 0) and beta:
-            [B, L, Hv]. This rank's shards.
+            head serves Hv / Hk consecutive value heads); beta: [B, L, Hv]; g (log decay,
+            <= 0): [B, L, Hv] (per head) or [B, L, Hv, dk] (per key channel). This rank's
+            shards.
         scale: the query's scale (default 1 / sqrt(dk)).
         use_qk_l2norm: l2-normalise q and k first (transformers' use_qk_l2norm_in_kernel).
         kernel: None (a token-by-token torch loop), or a chunked kernel with transformers'
             / fla's signature ``kernel(q, k, v, g, beta, initial_state=,
             output_final_state=True, use_qk_l2norm_in_kernel=False) -> (out, final)`` on
-            [B, n, H, *] runs (e.g. ``torch_chunk_gated_delta_rule``); it scales q by
+            [B, n, H, *] runs (e.g. ``torch_chunk_gated_delta_rule``; with g per key
+            channel, Kimi Linear's ``chunk_kimi_delta_attention``); it scales q by
             1 / sqrt(dk) itself, so ``scale`` must be None with it.
         group, layout, seqlen, cu_seqlens: as for ``linear_recurrence``.
 
@@ -150,14 +156,16 @@ def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     tensors = (query, key, value, g, beta)
     try:
         _tensors("gated_delta_rule", query=query, key=key, value=value, g=g, beta=beta)
-        ok = (query.dim() == key.dim() == value.dim() == 4 and g.dim() == beta.dim() == 3
+        ok = (query.dim() == key.dim() == value.dim() == 4 and beta.dim() == 3
               and query.shape == key.shape and value.shape[:2] == key.shape[:2]
               and key.shape[2] > 0 and value.shape[2] % key.shape[2] == 0
-              and tuple(g.shape) == tuple(beta.shape) == tuple(value.shape[:3]))
+              and tuple(beta.shape) == tuple(value.shape[:3])
+              and tuple(g.shape) in (tuple(value.shape[:3]), (*value.shape[:3], key.shape[3])))
         if not ok:
             raise ValueError(
                 f"gated_delta_rule: q, k must be [B, L, Hk, dk], v [B, L, Hv, dv] with Hv a "
-                f"multiple of Hk, g and beta [B, L, Hv]; got q {tuple(query.shape)}, k "
+                f"multiple of Hk, beta [B, L, Hv], g [B, L, Hv] or [B, L, Hv, dk]; got q "
+                f"{tuple(query.shape)}, k "
                 f"{tuple(key.shape)}, v {tuple(value.shape)}, g {tuple(g.shape)}, beta "
                 f"{tuple(beta.shape)}")
         if kernel is not None and scale is not None:
