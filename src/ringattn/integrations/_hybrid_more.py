@@ -70,12 +70,38 @@ class _CompressedConvAttention(_RingMixer):
         return query, key, value.view(batch, length, kv_heads, dim)
 
 
+class _KimiDelta(_RingMixer):
+    """Bailing-hybrid's linear attention (``BailingHybridDeltaAttention``): Kimi Delta
+    Attention, conv(q, k, v) (SiLU) then the gated delta rule with one decay per key channel
+    (its forget gate), q and k l2-normalised, then the gated RMSNorm and the output
+    projection; each chunk scanned by the family's ``chunk_kimi_delta_attention``."""
+
+    def _ring_forward(self, hidden, ctx, **_):
+        from ..mixers import causal_conv1d, gated_delta_rule
+
+        ring = _ring_args(ctx)
+        batch, length, _ = hidden.shape
+        hidden = _masked(hidden, _keep(ctx, batch, hidden.device, hidden.dtype))
+        mixed = torch.cat([self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)], dim=-1)
+        mixed = causal_conv1d(mixed, self.conv1d.weight, self.conv1d.bias,
+                              activation=self.activation, **ring)
+        q, k, v = (t.reshape(batch, length, -1, self.head_dim)
+                   for t in mixed.split([self.qkv_dim] * 3, dim=-1))
+        out = gated_delta_rule(q, k, v, self.forget_gate(hidden),
+                               torch.sigmoid(self.b_proj(hidden)), use_qk_l2norm=True,
+                               kernel=getattr(self._family, "chunk_kimi_delta_attention", None),
+                               **ring)
+        gate = self.g_proj(hidden).reshape(batch, length, -1, self.head_dim)
+        return self.o_proj(self.o_norm(out, gate).reshape(batch, length, -1))
+
+
 LAYERS: dict = {
     "Lfm3ShortConv": _ShortConv,
     "ZayaCCAProjection": _CompressedConvAttention,
+    "BailingHybridDeltaAttention": _KimiDelta,
 }
 """transformers' layer class name -> the mixin of its converted class."""
-FAMILIES: frozenset = frozenset({"lfm3", "zaya"})
+FAMILIES: frozenset = frozenset({"lfm3", "zaya", "bailing_hybrid"})
 """model_type of the families these layers complete."""
 KWARGS_STOP: frozenset = frozenset({"zaya"})
 """The families among FAMILIES whose model does not pass ring_context on to its layers
