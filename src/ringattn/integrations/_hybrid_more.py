@@ -107,6 +107,27 @@ KWARGS_STOP: frozenset = frozenset({"zaya"})
 """The families among FAMILIES whose model does not pass ring_context on to its layers
 (ZAYA's attention calls its projection with positional arguments only)."""
 
+_RELATIVE_BIAS = (
+    "its attention adds to the scores a relative position bias computed from each query's "
+    "hidden state (a bank of bias-vs-distance profiles mixed per query and head, passed to "
+    "the attention function as a dense position_bias over slot distances)")
+REFUSED: dict = {
+    "minimax_m3_vl_text": (
+        "its minimax_m3_sparse layers attend, for each query and key/value head, only to the "
+        "blocks of keys a learned indexer scores highest against every earlier key (a "
+        "data-dependent block-sparse mask), which ring attention does not compute (it has no "
+        "lightning-attention or other recurrent layer; a config of full_attention layers only "
+        "is a plain decoder)"),
+    "inkling_text": _RELATIVE_BIAS + ", which ring attention does not compute",
+    "inkling2_text": _RELATIVE_BIAS + " and a sink logit computed per query, which ring "
+                                      "attention does not compute",
+    "inkling2_loop_text": _RELATIVE_BIAS + " and a sink logit computed per query, which ring "
+                                           "attention does not compute (its loop, layers run "
+                                           "again per token, would be served)",
+}
+"""model_type -> why ``convert_mixers`` refuses the family (their short convolutions alone
+would convert; their attention cannot be made exact by ring attention as it is)."""
+
 if __name__ == "__main__":  # a library module: name the programs, do not exit 0
     from ringattn._program import not_a_program
     not_a_program(__spec__)
