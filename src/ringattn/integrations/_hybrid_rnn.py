@@ -102,8 +102,8 @@ class _MLstmBackend(_RingMixer):
         initial = next((s for s in (c_initial, n_initial, m_initial) if s is not None), None)
         ctx = _context(self, {"cache": initial})
         if ctx is None:
-            return super(_RingMixer, self).forward(query, key, value, igate, fgate, c_initial, n_initial,
-                                   m_initial, return_last_states, mode)
+            return super(_RingMixer, self).forward(query, key, value, igate, fgate, c_initial,
+                                                   n_initial, m_initial, return_last_states, mode)
         from ..mixers import mlstm
 
         _unpadded(ctx, "xLSTM")

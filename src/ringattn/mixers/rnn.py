@@ -151,7 +151,8 @@ def _mlstm_scan(q, k, v, igate, fgate, state, eps, fresh):
         new = torch.maximum(logf[:, t] + top, igate[:, t])
         keep, write = torch.exp(logf[:, t] + top - new), torch.exp(igate[:, t] - new)
         kt = k[:, t]
-        mem = keep[..., None, None] * mem + write[..., None, None] * (kt[..., None] * v[:, t][..., None, :])
+        outer = kt[..., None] * v[:, t][..., None, :]  # k_t v_t^T [B, H, dk, dv]
+        mem = keep[..., None, None] * mem + write[..., None, None] * outer
         norm = keep[..., None] * norm + write[..., None] * kt
         top = new
         qt = q[:, t] * scale
