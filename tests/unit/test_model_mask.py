@@ -1,6 +1,8 @@
 """What the transformers integration's mask object lets a model do with it: a slice that keeps
 every row and column (Gemma 4 before its KV-shared layers, logits_to_keep=0) is the mask
-itself; any other use as a tensor is refused with check_model's reason."""
+itself; any other use as a tensor is refused with check_model's reason. And a mask function
+that unites the requested mask with another (a prefix-LM's blocks) is marked custom, which
+the attention function refuses."""
 
 import pytest
 
@@ -35,3 +37,26 @@ def test_arithmetic_is_refused():
         mask + 1.0
     with pytest.raises(ValueError, match="mpt computes attention itself"):
         mask * 2.0
+
+
+def test_a_mask_united_with_another_is_marked_custom():
+    """transformers unites a prefix-LM's bidirectional blocks (``block_sequence_ids``) with the
+    causal mask without ``use_vmap``: the mask function must notice the union itself."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers import masking_utils as mu
+
+    from ringattn.integrations.transformers import _model_mask
+
+    config = LlamaConfig(vocab_size=97, hidden_size=64, num_hidden_layers=1,
+                         num_attention_heads=4)
+    ids = torch.tensor([[0, 0, 0, -1, -1]])
+    prefix = mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(ids))
+    packed = mu.and_masks(mu.remap_positions_for_packed_sequence(
+        mu.causal_mask_function, torch.arange(5)[None]), mu.packed_sequence_mask_function(ids))
+    assert _model_mask(mask_function=prefix, config=config).custom
+    assert _model_mask(mask_function=mu.and_masks(packed, prefix), config=config).custom
+    assert not _model_mask(mask_function=mu.causal_mask_function, config=config).custom
+    assert not _model_mask(mask_function=mu.sliding_window_causal_mask_function(7),
+                           local_size=7, config=config).custom
+    assert not _model_mask(mask_function=packed, config=config).custom  # positions: the ring's
