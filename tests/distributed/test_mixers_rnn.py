@@ -6,7 +6,9 @@ or not, a rank with no real token, and packed documents; keys up to about 100 (e
 overflows float32, so a cross-rank exchange of unscaled states would give inf); and
 transformers' own functions (``rwkv_linear_attention_cpu``, xLSTM's inference kernel) as the
 local scan, against those functions on the whole sequence in float32. Refusals raise on
-every rank."""
+every rank, and transformers' RWKV and xLSTM models are refused unconverted (by
+``prepare_batch``; by ``check_consumed`` on the ``shard_batch``-only path) and with a cache
+under CP."""
 
 import pytest
 import torch
@@ -261,3 +263,47 @@ def test_refusals_on_every_rank(clusters):
         assert said["mlstm_shape"][0] == "ValueError" and "igate" in said["mlstm_shape"][1], said
         assert said["striped"][0] == "ValueError" and "'striped'" in said["striped"][1], said
         assert said["seqlen"][0] == "ValueError" and "disagree on seqlen" in said["seqlen"][1], said
+
+
+# ---------------------------------------------------------------- the models, unconverted
+
+
+def model_refusals():
+    """RWKV and xLSTM under ringattn, on this rank: unconverted, ``prepare_batch`` refuses
+    them (``check_model``) and, on the ``shard_batch``-only path, where no ringattn code
+    runs in their forward, ``check_consumed`` does; converted, a cache under CP is refused.
+    Returns {what: message or None}."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+    from families import build
+    from test_transformers import _batch
+
+    from ringattn.integrations import transformers as ra_hf
+
+    ra_hf.register()
+    batch = _batch("plain", 37)
+    said = {}
+    for name in ("rwkv", "xlstm"):
+        said[f"{name} prepare"] = _raises(
+            lambda: ra_hf.prepare_batch(build(name, "ringattn"), batch))[1]
+        model, local = build(name, "ringattn"), ra.shard_batch(batch)
+        model(**local, use_cache=False)
+        said[f"{name} consumed"] = _raises(lambda: local["ring_context"].check_consumed(model))[1]
+        model = ra_hf.convert(build(name, "ringattn"))
+        said[f"{name} cache"] = _raises(
+            lambda: model(**ra_hf.prepare_batch(model, batch), use_cache=True))[1]
+    return said
+
+
+@pytest.mark.timeout(180)
+def test_models_refused_unconverted_and_with_a_cache(clusters):
+    pytest.importorskip("transformers")
+    for rank, said in enumerate(clusters(2).run(model_refusals, timeout=150)):
+        for name in ("rwkv", "xlstm"):
+            assert "sequence layers other than attention" in said[f"{name} prepare"] \
+                and "convert" in said[f"{name} prepare"], (rank, said)
+            assert "ran without calling ring attention" in said[f"{name} consumed"], (rank, said)
+            assert "use_cache=False" in said[f"{name} cache"], (rank, said)
