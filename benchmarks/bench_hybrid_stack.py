@@ -53,9 +53,11 @@ ring's send/receive pairs) a rank sends as many bytes as it receives.
 Time: paired rounds (as ``bench_mixers.py``): each round times one step of every method
 back to back (order rotated per round; a CP time is the slowest rank's, barrier before,
 all-reduce MAX after; ``prepare_batch`` included) and gives its own ratio cp-W / 1p; the
-tables give the median (range) over rounds.
+tables give the median (range) over rounds. After every step of every method, outside the
+timed window, the process gives its freed heap back to the OS (``trim``: one machine's
+memory holds all the ranks and the driver).
 
-    python benchmarks/bench_hybrid_stack.py                     # S 4096, 16384; 2 rounds
+    python benchmarks/bench_hybrid_stack.py                     # S 4096, 8192; 3 rounds
     python benchmarks/bench_hybrid_stack.py --quick             # S 1024, 4096; 1 round
     python benchmarks/bench_hybrid_stack.py --family granite4   # the Mamba2 hybrid
     python benchmarks/bench_hybrid_stack.py --smoke             # S 256, W 1 2, 1 round, to results/smoke/
@@ -68,6 +70,8 @@ per caller, errors, machine, load average) and ``hybrid_stack_<family>.png``.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import statistics
@@ -219,6 +223,20 @@ class Split(Collectives):
 _STATE: dict = {}
 
 
+def trim() -> None:
+    """Give freed heap back to the OS (``malloc_trim``), after every step of every method,
+    outside the timed window: the ranks and the driver share one machine's memory, and each
+    would otherwise keep its high water."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def release_task() -> None:
+    """Rank side: drop the model and batch of the last (family, S)."""
+    _STATE.clear()
+    trim()
+
+
 def _cp(family: str, s: int):
     """(model, batch) on this rank, kept across calls of one (family, S)."""
     from ringattn.integrations import transformers as ra_hf
@@ -252,21 +270,24 @@ def errors(model, loss, logits, refs: dict, names) -> dict:
     grads = flat_grads(model)
     dist.all_reduce(loss)
     dist.all_reduce(grads)
-    out = {}
-    for ref_name, ref in refs.items():
-        ref_grads = ref["grads"].double()
-        floor = GRAD_FLOOR * float(ref_grads.norm())
-        worst, worst_name, start = 0.0, "", 0
-        for pname, n in names:
-            g_ref = ref_grads[start:start + n]
-            err = float((grads[start:start + n].double() - g_ref).norm()) / max(float(g_ref.norm()), floor)
-            err = err if err == err else float("inf")
-            start += n
-            if err > worst or not worst_name:
-                worst, worst_name = err, pname
-        out[ref_name] = {"loss": rel_error(loss, ref["loss"]), "logits": rel_error(logits, ref["logits"]),
-                         "grads": worst, "worst_grad": worst_name}
-    return out
+    return {ref_name: compare(loss, logits, grads, ref, names) for ref_name, ref in refs.items()}
+
+
+def compare(loss, logits, grads, ref: dict, names) -> dict:
+    """Relative errors of (loss, logits, flat gradients) against a saved step; a parameter's
+    gradient error is relative to max(its reference norm, GRAD_FLOOR x the whole one's)."""
+    ref_grads = ref["grads"].double()
+    floor = GRAD_FLOOR * float(ref_grads.norm())
+    worst, worst_name, start = 0.0, "", 0
+    for pname, n in names:
+        g_ref = ref_grads[start:start + n]
+        err = float((grads[start:start + n].double() - g_ref).norm()) / max(float(g_ref.norm()), floor)
+        err = err if err == err else float("inf")
+        start += n
+        if err > worst or not worst_name:
+            worst, worst_name = err, pname
+    return {"loss": rel_error(loss, ref["loss"]), "logits": rel_error(logits, ref["logits"]),
+            "grads": worst, "worst_grad": worst_name}
 
 
 def check_task(family: str, s: int, ref_paths: dict):
@@ -284,6 +305,9 @@ def check_task(family: str, s: int, ref_paths: dict):
     refs = {name: torch.load(path) for name, path in ref_paths.items()}
     names = [(n, p.numel()) for n, p in model.named_parameters()]
     errs = errors(model, out.loss, logits, refs, names)
+    del out, local, logits, refs
+    model.zero_grad(set_to_none=True)
+    trim()
     return {"errors": errs, "peak_bytes": mem.peak, "comm": comm.summary(),
             "planned_mixer_bytes": planned_mixer_bytes(model, s, dist.get_world_size())}
 
@@ -298,6 +322,8 @@ def time_task(family: str, s: int) -> float:
     _cp_step(model, batch)
     t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    model.zero_grad(set_to_none=True)
+    trim()
     return t.item()
 
 
@@ -312,14 +338,18 @@ def _reference(model, batch, path: Path) -> None:
     out = one_step(model, batch)
     torch.save({"loss": out.loss.detach(), "logits": out.logits.detach(),
                 "grads": flat_grads(model)}, path)
+    del out
+    model.zero_grad(set_to_none=True)
+    trim()
 
 
-def run(family: str, seqlens, worlds, rounds, eager_max_s: int, out_dir: Path) -> dict:
+def run(family: str, seqlens, worlds, rounds, eager_max_s: int, out_dir: Path,
+        fp64: bool = False, stop: bool = True) -> dict:
     torch.set_num_threads(1)
     probe = build(family, "sdpa")
     data = {"machine": machine_info(), "family": family, "model": describe_model(probe),
             "config": probe.config.to_dict(), "dtype": "fp32", "layout": "zigzag",
-            "seqlens": seqlens, "worlds": worlds, "rounds": rounds, "eager_max_s": eager_max_s,
+            "seqlens": seqlens, "worlds": worlds, "rounds": rounds, "eager_max_s": eager_max_s, "fp64": fp64,
             "cases": [], "loadavg": {"start": os.getloadavg()}}
     data["config"].pop("transformers_version", None)
     del probe
@@ -340,9 +370,18 @@ def run(family: str, seqlens, worlds, rounds, eager_max_s: int, out_dir: Path) -
             one = build(family, "sdpa")
             refs["sdpa"] = str(tmp / "sdpa.pt")
             _reference(one, batch, Path(refs["sdpa"]))  # also the warm-up
+            if fp64:  # the same model in float64: what fp32 rounding costs one process
+                refs["fp64"] = str(tmp / "fp64.pt")
+                _reference(build(family, "sdpa").double(), batch, Path(refs["fp64"]))
+                mine, ref = torch.load(refs["sdpa"]), torch.load(refs["fp64"])
+                names = [(n, p.numel()) for n, p in one.named_parameters()]
+                rec["errors"]["1p"] = {"fp64": compare(mine["loss"], mine["logits"], mine["grads"],
+                                                       ref, names)}
             with TensorBytes() as mem:
                 one_step(one, batch)
             rec["peak_bytes"]["1p"] = mem.peak
+            one.zero_grad(set_to_none=True)
+            trim()
             for w in worlds:
                 got = clusters[w].run(check_task, family, s, refs, timeout=1800)
                 worst = {ref: {k: max(g["errors"][ref][k] for g in got) for k in ("loss", "logits", "grads")}
@@ -357,8 +396,11 @@ def run(family: str, seqlens, worlds, rounds, eager_max_s: int, out_dir: Path) -
                 rec["planned_mixer_bytes"][m] = got[0]["planned_mixer_bytes"]
                 rec["times_s"][m] = []
                 bad = {ref: e for ref, e in worst.items()
-                       if max(e["loss"], e["logits"], e["grads"]) > TOL}
-                if bad:
+                       if ref != "fp64" and max(e["loss"], e["logits"], e["grads"]) > TOL}
+                if bad and not stop:
+                    rec["failed"] = {**rec.get("failed", {}), m: bad}
+                    print(f"{family} S={s} W={w}: CP differs from one process: {bad}", flush=True)
+                elif bad:
                     data["cases"].append(rec)
                     write_json(path, data)
                     raise SystemExit(f"{family} S={s} W={w}: CP differs from one process: {bad}")
@@ -370,6 +412,8 @@ def run(family: str, seqlens, worlds, rounds, eager_max_s: int, out_dir: Path) -
                         t0 = time.perf_counter()
                         one_step(one, batch)
                         rec["times_s"]["1p"].append(time.perf_counter() - t0)
+                        one.zero_grad(set_to_none=True)
+                        trim()
                     else:
                         w = int(m.split("-")[1])
                         rec["times_s"][m].append(clusters[w].run(time_task, family, s, timeout=1800)[0])
@@ -378,6 +422,9 @@ def run(family: str, seqlens, worlds, rounds, eager_max_s: int, out_dir: Path) -
                              for m in methods[1:]}
             rec["elapsed_s"] = round(time.monotonic() - t_case, 1)
             del one
+            trim()
+            for c in clusters.values():
+                c.run(release_task)
             data["cases"].append(rec)
             print(describe(rec), flush=True)
             write_json(path, data)
@@ -399,15 +446,33 @@ def _kib(comm, kind, what="data_bytes") -> float:
 
 
 def _worst(rec, m) -> float:
-    return max(max(e["loss"], e["logits"], e["grads"]) for e in rec["errors"][m].values())
+    """The largest error against one process (fp32: SDPA, eager)."""
+    return max(max(e["loss"], e["logits"], e["grads"]) for ref, e in rec["errors"][m].items()
+               if ref != "fp64")
+
+
+def fp64_table(data) -> str:
+    """Errors against one process in float64 (``--fp64``): one process's own and CP's."""
+    lines = ["| S | method | loss | logits | grads (worst parameter) |", "|---|---|---|---|---|"]
+    for rec in data["cases"]:
+        for m, errs in rec["errors"].items():
+            e = errs.get("fp64")
+            if e is not None:
+                lines.append(f"| {rec['S']} | {m} | {e['loss']:.1e} | {e['logits']:.1e} | "
+                             f"{e['grads']:.1e} ({e['worst_grad']}) |")
+    return "\n".join(lines)
+
+
+def _span(xs, unit="") -> str:
+    return f"{_med(xs):.2f}{unit} ({min(xs):.2f}-{max(xs):.2f})" if xs else "-"
 
 
 def describe(rec) -> str:
-    one = _med(rec["times_s"]["1p"])
-    parts = [f"S={rec['S']}: 1p {one:.2f} s, peak {rec['peak_bytes']['1p'] / 2**20:.0f} MiB"]
+    parts = [f"S={rec['S']}: 1p {_span(rec['times_s']['1p'], ' s')}, "
+             f"peak {rec['peak_bytes']['1p'] / 2**20:.0f} MiB"]
     for m, ratios in rec["ratios"].items():
         comm = rec["comm"][m]
-        parts.append(f"{m}: time/1p {_med(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}), "
+        parts.append(f"{m}: time/1p {_span(ratios)}, "
                      f"peak/1p {max(rec['peak_bytes'][m]) / rec['peak_bytes']['1p']:.2f}, "
                      f"attention {_kib(comm, 'attention'):.0f} KiB, mixers {_kib(comm, 'mixers'):.0f} KiB "
                      f"(planned {rec['planned_mixer_bytes'][m] / 2**10:.0f}), error {_worst(rec, m):.1e}")
@@ -423,16 +488,15 @@ def table(data) -> str:
     for rec in data["cases"]:
         if "ratios" not in rec:
             continue
-        one = _med(rec["times_s"]["1p"])
-        lines.append(f"| {rec['S']} | 1p | {one:.2f} s ({min(rec['times_s']['1p']):.2f}-"
-                     f"{max(rec['times_s']['1p']):.2f}) | {rec['peak_bytes']['1p'] / 2**20:.0f} MiB "
+        lines.append(f"| {rec['S']} | 1p | {_span(rec['times_s']['1p'], ' s')} "
+                     f"| {rec['peak_bytes']['1p'] / 2**20:.0f} MiB "
                      f"| - | - | - | - | - |")
         for m, ratios in rec["ratios"].items():
             comm = rec["comm"][m]
             calls = {k: max(c[k]["data_calls"] for c in comm) for k in ("attention", "mixers")}
             meta = max(c["attention"]["meta_calls"] + c["mixers"]["meta_calls"] for c in comm)
             lines.append(
-                f"| {rec['S']} | {m.split('-')[1]} | {_med(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) "
+                f"| {rec['S']} | {m.split('-')[1]} | {_span(ratios)} "
                 f"| {max(rec['peak_bytes'][m]) / rec['peak_bytes']['1p']:.2f} "
                 f"| {_kib(comm, 'attention'):.0f} ({calls['attention']}) "
                 f"| {_kib(comm, 'mixers'):.0f} ({calls['mixers']}) "
@@ -453,9 +517,9 @@ def plot(data: dict, path: Path) -> None:
     width = 0.8 / len(methods)
     for i, m in enumerate(methods):
         xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(cases))]
-        med = [_med(c["ratios"][m]) for c in cases]
-        lo = [a - min(c["ratios"][m]) for a, c in zip(med, cases)]
-        hi = [max(c["ratios"][m]) - a for a, c in zip(med, cases)]
+        med = [_med(c["ratios"][m] or [0.0]) for c in cases]
+        lo = [a - min(c["ratios"][m] or [a]) for a, c in zip(med, cases)]
+        hi = [max(c["ratios"][m] or [a]) - a for a, c in zip(med, cases)]
         ax_t.bar(xs, med, width, yerr=[lo, hi], capsize=3, label=m)
         ax_m.bar(xs, [max(c["peak_bytes"][m]) / c["peak_bytes"]["1p"] for c in cases], width, label=m)
         att = [_kib(c["comm"][m], "attention") / 2**10 for c in cases]
@@ -481,14 +545,20 @@ def main(argv=None) -> None:
     ap.add_argument("--family", choices=FAMILY_NAMES, default="qwen3_5")
     ap.add_argument("--quick", action="store_true", help="S 1024 and 4096, 1 round")
     ap.add_argument("--smoke", action="store_true", help="S=256, W 1 and 2, 1 round, to results/smoke/")
-    ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 8192])
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds (0: check and measure only)")
     ap.add_argument("--eager-max-s", type=int, default=4096,
                     help="also check against eager attention in one process up to this S")
+    ap.add_argument("--fp64", action="store_true",
+                    help="also compare one process's fp32 step and CP's with one process in float64")
+    ap.add_argument("--no-stop", action="store_true",
+                    help="with --rounds 0: record a failed check and go on (nothing is timed)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--replot", action="store_true", help="table and PNG from the JSON")
     args = ap.parse_args(argv)
+    if args.no_stop and args.rounds != 0:
+        ap.error("--no-stop times nothing: it needs --rounds 0")
     seqlens, worlds, rounds = args.seqlens, args.worlds, args.rounds
     if args.quick:
         seqlens, rounds = [1024, 4096], 1
@@ -498,9 +568,12 @@ def main(argv=None) -> None:
     if args.replot:
         data = json.loads((out / f"hybrid_stack_{args.family}.json").read_text())
     else:
-        data = run(args.family, seqlens, worlds, rounds, args.eager_max_s, out)
+        data = run(args.family, seqlens, worlds, rounds, args.eager_max_s, out, args.fp64,
+                   not args.no_stop)
     plot(data, out / f"hybrid_stack_{args.family}.png")
     print(table(data))
+    if data.get("fp64"):
+        print(fp64_table(data))
     if not args.replot:
         print(f"wrote {out / f'hybrid_stack_{args.family}.json'} in {data['elapsed_s']:.0f} s")
 
