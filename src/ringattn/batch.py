@@ -75,9 +75,9 @@ class RingContext:
         if self.calls == 0:
             what = "the model" if model is None else type(model).__name__
             raise ValueError(
-                f"{what} ran without calling ring attention: it computes attention itself, so "
-                f"each rank attended over its shard alone (see integrations.transformers."
-                f"check_model)"
+                f"{what} ran without calling ring attention or a converted sequence mixer: "
+                f"it computes attention (or mixes the sequence) itself, so each rank saw its "
+                f"shard alone (see integrations.transformers.check_model and convert)"
             )
 
     def attention_kwargs(self) -> dict:
@@ -86,6 +86,21 @@ class RingContext:
         return dict(group=self.group if self.mesh is None else self.mesh, layout=self.layout,
                     seqlen=self.seqlen,
                     cu_seqlens=self.cu_seqlens, mask=self.mask_key)
+
+
+def _check_seq_idx(seq_idx, cu, batch: int, seqlen: int) -> None:
+    """A padding-free collator's ``seq_idx`` ([B, S] document index per token) must say
+    what the documents do (zeros without them): the ring context carries the documents."""
+    if seq_idx is None:
+        return
+    want = torch.zeros(seqlen, dtype=torch.long)
+    for start in (cu or (0,))[1:-1]:
+        want[start:] += 1
+    if (not isinstance(seq_idx, torch.Tensor) or tuple(seq_idx.shape) != (batch, seqlen)
+            or not bool((seq_idx.detach().cpu().long() == want).all())):
+        raise ValueError(f"batch['seq_idx'] must be the [B={batch}, S={seqlen}] document index "
+                         f"of each token, as the documents of position_ids / cu_seqlens "
+                         f"{list(cu) if cu else None} give it")
 
 
 def _documents(batch, seqlen):
@@ -100,6 +115,14 @@ def _documents(batch, seqlen):
     if starts[:1] != [0] or len(starts) == 1:
         return None
     return check_cu_seqlens([*starts, seqlen], seqlen)
+
+
+_READ = frozenset({"input_ids", "labels", "attention_mask", "position_ids", "cu_seqlens",
+                   "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"})
+"""The batch entries ``shard_batch`` reads (flash-attn's offsets and lengths, and the
+document index per token of padding-free collators, ``seq_idx``, describe the documents,
+which the ring context carries; ``seq_idx`` is checked against them); any other entry must
+be named in ``extra_keys``."""
 
 
 def shard_batch(batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, extra_keys=(),
@@ -144,7 +167,8 @@ def shard_batch(batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, extra_
 
     Raises:
         ValueError: a missing or misshapen ``input_ids``, inconsistent shapes, bad
-            documents (the batch is the same on every rank, so every rank raises; shapes
+            documents, an entry it neither reads nor finds in ``extra_keys`` (which the
+            model would otherwise run without, e.g. a prefix-LM's ``token_type_ids``) (the batch is the same on every rank, so every rank raises; shapes
             that differ between ranks are caught by ``shard``'s agreement check).
     """
     pg = resolve_group(group)
@@ -157,7 +181,15 @@ def shard_batch(batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, extra_
         t = batch.get(key)
         if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape[:2]) != (b, s)):
             raise ValueError(f"batch[{key!r}] must be a tensor of shape [B={b}, S={s}, ...]")
+    unknown = sorted(str(k) for k, v in batch.items()
+                     if v is not None and k not in _READ and k not in extra_keys)
+    if unknown:  # the model would run without them: refuse rather than drop them
+        raise ValueError(
+            f"shard_batch does not shard batch entries {unknown}: the model would run without "
+            f"them. Name per-token tensors ([B, S, ...]) in extra_keys= to shard them with "
+            f"the batch; remove the others (pass them to the model yourself)")
     cu = _documents(batch, s)
+    _check_seq_idx(batch.get("seq_idx"), cu, b, s)
     kw = dict(group=pg, layout=layout, seqlen=s, dim=1, cu_seqlens=cu)
     pos_local = positions(s, group=pg, layout=layout, cu_seqlens=cu)
     global_pos = pos_local[0] if cu is not None else pos_local

@@ -126,10 +126,28 @@ def batch_helpers():
     n = int(local["num_items_in_batch"])
     means = ra.all_reduce_metrics({"rank": (rank, 1), "tokens": (n, 1), "empty": (0, 0)})
     errs = []
-    try:
-        ra.shard_batch(dict(input_ids=ids, labels=ids[:, :5]))
-    except ValueError as exc:
-        errs.append(str(exc))
+    packed = torch.arange(1, 12)[None]  # documents [0, 4), [4, 11)
+    pos = torch.cat([torch.arange(4), torch.arange(7)])[None]
+    doc = (torch.arange(11) >= 4).long()[None]
+    for bad in (dict(input_ids=ids, labels=ids[:, :5]),
+                # a prefix-LM's token_type_ids: the model would run without them
+                dict(input_ids=ids, token_type_ids=torch.zeros_like(ids)),
+                dict(input_ids=ids, pixel_values=torch.zeros(2, 3, 4, 4)),
+                # a padding-free collator's seq_idx that the documents do not give
+                dict(input_ids=packed, position_ids=pos, seq_idx=torch.zeros_like(doc)),
+                dict(input_ids=packed, seq_idx=doc)):
+        try:
+            ra.shard_batch(bad)
+            errs.append(None)
+        except ValueError as exc:
+            errs.append(str(exc))
+    # named in extra_keys, token_type_ids is sharded; a seq_idx that agrees is accepted
+    extra = ra.shard_batch(dict(input_ids=ids, token_type_ids=ids * 10),
+                           extra_keys=("token_type_ids",), layout="zigzag")
+    real = ra.positions(11, layout="zigzag") < 11  # padding slots: first token vs zero
+    assert torch.equal(extra["token_type_ids"][:, real], extra["input_ids"][:, real] * 10), rank
+    agreed = ra.shard_batch(dict(input_ids=packed, position_ids=pos, seq_idx=doc.int()))
+    assert agreed["ring_context"].cu_seqlens == (0, 4, 11), rank
     return n, means, errs
 
 
@@ -140,3 +158,10 @@ def test_batch_helpers(clusters):
         assert means["rank"] == 1.0 and means["tokens"] == 18.0, (rank, means)
         assert means["empty"] != means["empty"]  # nan: nothing counted
         assert "batch['labels'] must be a tensor of shape [B=2, S=11" in errs[0], (rank, errs)
+        assert errs[1] and "entries ['token_type_ids']" in errs[1] \
+            and "extra_keys" in errs[1], (rank, errs)
+        assert errs[2] and "['pixel_values']" in errs[2], (rank, errs)
+        assert errs[3] and "batch['seq_idx'] must be" in errs[3] and "[0, 4, 11]" in errs[3], (
+            rank, errs)
+        assert errs[4] and "batch['seq_idx'] must be" in errs[4] and "None" in errs[4], (
+            rank, errs)
