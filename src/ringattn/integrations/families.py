@@ -19,12 +19,12 @@ computes from the whole sequence, so registering ring attention is not enough:
   slot's GLOBAL position (from the batch's ``RingContext``: layout, S, documents), which is
   what one process computes; without a ring context, by the positions transformers uses.
 * Families that compute attention in their own modules: BLOOM and MPT (ALiBi: ring
-  attention with their slopes as ``alibi_slopes``), XGLM, Falcon (rotary) and GPT-Neo
-  (unscaled scores, windowed local layers). ``convert`` swaps those module instances' class
-  for a subclass that keeps their projections (and rotary embedding) and calls ring
-  attention. Falcon and GPT-Neo cannot be built with "ringattn" (their constructors look
-  the attention class up in a dict of their own: KeyError), so they are built with "eager"
-  and ``convert`` selects ring attention (``BUILT_EAGER``).
+  attention with their slopes as ``alibi_slopes``), XGLM, Falcon and GPT-NeoX-Japanese
+  (rotary) and GPT-Neo (unscaled scores, windowed local layers). ``convert`` swaps those
+  module instances' class for a subclass that keeps their projections (and rotary
+  embedding) and calls ring attention. Falcon and GPT-Neo cannot be built with "ringattn"
+  (their constructors look the attention class up in a dict of their own: KeyError), so
+  they are built with "eager" and ``convert`` selects ring attention (``BUILT_EAGER``).
 * StableLM and Nemotron, whose decoder layers do not pass the batch's keyword arguments to
   their attention: ``convert`` hands their attention modules the batch's ``ring_context``.
   Families whose layers drop keyword arguments get it from a forward pre-hook on the model
@@ -67,6 +67,16 @@ its module's ``load_balancing_loss_func`` has the same source and its CausalLM c
 
 _CALL = ("load_balancing_loss_func(", "outputs.router_logits,", "self.num_experts,",
          "self.num_experts_per_tok,", "attention_mask,")
+
+_COEFFICIENTS = ("router_aux_loss_coef", "aux_loss_coef")
+"""The CausalLM attribute that weighs the router loss (JetMoe names it ``aux_loss_coef``);
+its forward must add ``self.<attribute> * aux_loss`` to the loss."""
+
+
+def _router_coef(model) -> str | None:
+    """The name of ``model``'s router loss coefficient attribute, or None."""
+    return next((a for a in _COEFFICIENTS if isinstance(getattr(model, a, None), (int, float))),
+                None)
 
 
 def converted(config) -> bool:
@@ -155,12 +165,16 @@ def _router_loss_problem(model) -> str | None:
     except (AttributeError, ImportError, OSError, TypeError):
         return f"{type(model).__name__} has no load_balancing_loss_func that ringattn knows"
     calls = "".join(source.split())
-    if not same or "".join(_CALL) not in calls:
+    coef = _router_coef(model)
+    if not same or "".join(_CALL) not in calls or (
+            coef is not None and f"loss+=self.{coef}*aux_loss" not in calls):
         return (f"{type(model).__name__}'s router auxiliary loss is not the one ringattn makes "
                 f"global (Mixtral's load_balancing_loss_func on the router logits)")
-    for attr in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef"):
+    for attr in ("num_experts", "num_experts_per_tok"):
         if not isinstance(getattr(model, attr, None), (int, float)):
             return f"{type(model).__name__} has no {attr}"
+    if coef is None:
+        return f"{type(model).__name__} has no router_aux_loss_coef"
     return None
 
 
@@ -177,7 +191,7 @@ def _router_hook(model, args, kwargs, output):
     world = dist.get_world_size(ctx.group)
     glob = _global_router_loss(logits, model.num_experts, model.num_experts_per_tok, real,
                                ctx.group)
-    coef = model.router_aux_loss_coef
+    coef = getattr(model, _router_coef(model))
     if output.loss is not None:  # this rank's value out, its 1/W share of the global one in
         output.loss = output.loss - coef * aux.to(output.loss.device) + (coef / world) * glob
     output.aux_loss = glob
@@ -225,7 +239,7 @@ BUILT_EAGER = frozenset({"gpt_neo", "falcon"})
 """Families whose constructor looks its attention class up by attn_implementation in a dict
 of its own (a bare KeyError for "ringattn"): built with "eager", then converted (``convert``
 replaces the attention modules and sets the config's attention implementation)."""
-_OWN_ATTENTION = frozenset({"xglm", "gpt_neo", "falcon"})
+_OWN_ATTENTION = frozenset({"xglm", "gpt_neo", "falcon", "gpt_neox_japanese"})
 _INTERFACE = frozenset({"biogpt"})
 """Families whose attention calls the attention interface with the batch's keyword
 arguments although their class does not declare it (``is_backend_compatible()`` False):
@@ -423,8 +437,26 @@ def _ring_falcon_attention(base):
     return RingFalconAttention
 
 
+def _ring_gpt_neox_japanese_attention(base):
+    class RingGPTNeoXJapaneseAttention(base):
+        """GPT-NeoX-Japanese's attention over the ring: its own fused projection, rotary
+        embedding and output projection (its layer adds the bias), ring attention in between."""
+
+        def _attn(self, query, key, value, attention_mask=None):
+            from .transformers import ring_attention_forward
+
+            out, _ = ring_attention_forward(  # [B, L, H, D]; the caller merges [B, H, L, D]
+                self, query, key, value, attention_mask,
+                dropout=self.attention_dropout.p if self.training else 0.0,
+                scaling=1.0 / self.norm_factor, ring_context=_ring_context(self))
+            return out.transpose(1, 2), None
+
+    return RingGPTNeoXJapaneseAttention
+
+
 def _convert_own_attention(model) -> None:
-    """Replace XGLM's, GPT-Neo's or Falcon's attention modules by ring attention."""
+    """Replace XGLM's, GPT-Neo's, Falcon's or GPT-NeoX-Japanese's attention modules by ring
+    attention."""
     from .transformers import NAME
 
     if model.config.model_type == "falcon":
@@ -438,6 +470,11 @@ def _convert_own_attention(model) -> None:
         from transformers.models.xglm.modeling_xglm import XGLMAttention as base
 
         cls = _ring_xglm_attention(base)
+    elif model.config.model_type == "gpt_neox_japanese":
+        from transformers.models.gpt_neox_japanese.modeling_gpt_neox_japanese import (
+            GPTNeoXJapaneseAttention as base)
+
+        cls = _ring_gpt_neox_japanese_attention(base)
     else:
         from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention as base
 
@@ -447,9 +484,10 @@ def _convert_own_attention(model) -> None:
         raise ValueError(f"{type(model).__name__} has no {base.__name__} to convert")
     for module in found:
         module.__class__ = cls
-    if model.config.model_type in BUILT_EAGER:  # its blocks do not pass keyword arguments
+    if model.config.model_type != "xglm":  # their blocks do not pass keyword arguments
         model.__dict__["_ring_attentions"] = found
         model.register_forward_pre_hook(_context_pre_hook, with_kwargs=True)
+    if model.config.model_type in BUILT_EAGER:
         model.config._attn_implementation = NAME  # the mask function, check_attention
 
 
@@ -542,9 +580,10 @@ def convert(model):
     family = getattr(config, "model_type", None)
     # hybrids whose classes say so still call the interface (test_hybrid_families.py)
     if own and not convertible(family) and family not in CONVERTIBLE:
-        raise ValueError(_computes_attention_itself(type(model).__name__))
+        raise ValueError(_computes_attention_itself(type(model).__name__, config))
     asked = bool(getattr(config, "output_router_logits", False))
-    problem = _router_loss_problem(model) if hasattr(model, "router_aux_loss_coef") else "none"
+    problem = (_router_loss_problem(model) if _router_coef(model) is not None
+               else f"{type(model).__name__} has no router_aux_loss_coef")
     if asked and problem is not None:
         raise ValueError(f"ringattn cannot make this router loss global: {problem}")
     if problem is None:  # also serves output_router_logits=True passed to forward later

@@ -35,9 +35,9 @@ padding, so a left-padded batch through ``prepare_batch`` gives one process's re
 
 ``check_model`` (and so ``prepare_batch``), the mask function and the attention function
 accept a converted model; an unconverted hybrid is refused with a message naming
-``convert_mixers``. Families whose layers ``convert_mixers`` does not know
-(Zamba, Kimi Linear, ...) are refused by it with
-a ValueError naming the family.
+``convert_mixers``. Families whose layers ``convert_mixers`` does not know are refused by
+it with a ValueError naming the family (and why, for those a module's ``REFUSED`` lists:
+Qwen4-Exp's indexed attention).
 """
 
 from __future__ import annotations
@@ -411,8 +411,10 @@ def convert_mixers(model):
     if mixers_converted(config):
         return model
     if family not in CONVERTIBLE:
-        raise ValueError(f"convert_mixers does not serve {family}: its sequence layers are not "
-                         f"among {sorted(_LAYERS)} (families: {sorted(CONVERTIBLE)})")
+        raise ValueError(f"convert_mixers does not serve {family}: " + (
+            _WHY_NOT[family] if family in _WHY_NOT else
+            f"its sequence layers are not among {sorted(_LAYERS)} "
+            f"(families: {sorted(CONVERTIBLE)})"))
     done = 0
     for module in model.modules():
         cls = type(module)
@@ -466,7 +468,12 @@ def _extend() -> frozenset:
         _LAYERS.update(module.LAYERS)
         families |= set(module.FAMILIES)
         globals()["_KWARGS_STOP"] = _KWARGS_STOP | frozenset(module.KWARGS_STOP)
+        _WHY_NOT.update(getattr(module, "REFUSED", {}))
     return frozenset(families)
+
+
+_WHY_NOT: dict = {}
+"""model_type -> why ``convert_mixers`` refuses that family (a module's ``REFUSED``)."""
 
 
 CONVERTIBLE = _extend()

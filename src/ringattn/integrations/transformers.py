@@ -47,6 +47,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..strategies.auto import attention
 from ..batch import shard_batch
 from ..layouts import DEFAULT_LAYOUT
@@ -76,6 +78,12 @@ _OWN_MASKS = frozenset({"doge"})
 """Families that compute a mask of their own (Doge's learned dynamic mask) from the one
 transformers builds: it cannot be sharded."""
 
+_TOP_K_KEYS = frozenset({"deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "dots3_note_text",
+                         "deepseek_v4"})
+"""Families whose attention keeps, for each query, only the keys an indexer scores highest
+among all keys of the sequence (DeepSeek sparse attention): a data-dependent key set per
+query, which no ring mask expresses."""
+
 _SEQUENCE_MIXERS = frozenset({
     "jamba", "bamba", "falcon_h1", "falcon_mamba", "mamba", "mamba2", "zamba", "zamba2",
     "recurrent_gemma", "lfm2", "lfm2_moe", "lfm2_vl", "qwen3_next", "minimax",
@@ -88,10 +96,16 @@ def _config_problem(config, router: bool = True, mixers: bool = True) -> str | N
     """Why ring attention cannot give this model's exact result, or None (``router``,
     ``mixers``: whether an unconverted router auxiliary loss, and unconverted sequence
     mixers of a family ``convert`` serves, count)."""
+    from .hybrid import _WHY_NOT  # families convert_mixers refuses, and why
+
     name = getattr(config, "model_type", type(config).__name__)
     convert = (f" (convert it first: ringattn.integrations.transformers.convert(model))"
-               if name in CONVERTIBLE else "")
+               if name in CONVERTIBLE else f"; and {_WHY_NOT[name]}" if name in _WHY_NOT else "")
     done = mixers_converted(config) or (not mixers and name in CONVERTIBLE)
+    if name in _TOP_K_KEYS:
+        return (f"{name}'s indexer keeps each query's top {getattr(config, 'index_topk', 'k')} "
+                f"keys, scored against every key of the sequence (sparse attention): a key set "
+                f"chosen per query from the whole sequence, which ring attention cannot mask")
     for field in _LAYER_TYPE_FIELDS:
         if done:
             break
@@ -114,11 +128,17 @@ def _config_problem(config, router: bool = True, mixers: bool = True) -> str | N
     return None
 
 
-def _computes_attention_itself(what: str) -> str:
-    """check_model's message for a model that never calls the attention interface."""
+def _computes_attention_itself(what: str, config=None) -> str:
+    """check_model's message for a model that never calls the attention interface (with a
+    composite ``config``, one holding a ``text_config``, it says what is served instead)."""
+    composite = getattr(config, "text_config", None) is not None
     return (f"{what} computes attention itself instead of calling transformers' attention "
             f"interface, so attn_implementation={NAME!r} would never run and every rank would "
-            f"attend over its shard alone")
+            f"attend over its shard alone" + (
+                "; it is a composite model (its config has a text_config): for text "
+                "training, build its language model alone (AutoModelForCausalLM on the same "
+                "config or checkpoint), which ringattn checks and converts on its own"
+                if composite else ""))
 
 
 def check_model(model, config=None) -> None:
@@ -147,10 +167,16 @@ def check_model(model, config=None) -> None:
             f"looks its attention class up in a dict of its own and raises KeyError. Build it "
             f"with attn_implementation='eager', then call "
             f"ringattn.integrations.transformers.convert(model)")
+    from .hybrid import _WHY_NOT  # families convert_mixers refuses, and why
+
+    if family in _WHY_NOT or family in _TOP_K_KEYS:  # its own reason before the generic one
+        reason = (_config_problem(config) if family in _TOP_K_KEYS
+                  else f"{family}: {_WHY_NOT[family]}")
+        raise ValueError(f"ring attention cannot run {cls.__name__} exactly: {reason}")
     if (hasattr(cls, "is_backend_compatible") and not cls.is_backend_compatible()
             and family not in CONVERTIBLE and not (
                 convertible(family) if isinstance(model, type) else converted(config))):
-        raise ValueError(_computes_attention_itself(cls.__name__) + (
+        raise ValueError(_computes_attention_itself(cls.__name__, config) + (
             "; convert the model first (ringattn.integrations.transformers.convert)"
             if convertible(family) else ""))
     built = not isinstance(model, type)
@@ -264,7 +290,16 @@ class ModelMask:
     def _used_as_tensor(self, *args):
         self.__getattr__("tensor operations")
 
-    __add__ = __radd__ = __mul__ = __rmul__ = __getitem__ = _used_as_tensor
+    __add__ = __radd__ = __mul__ = __rmul__ = _used_as_tensor
+
+    def __getitem__(self, index):
+        # Gemma 4 slices its masks to the query rows it keeps (``logits_to_keep``) before its
+        # KV-shared layers; 0 keeps them all: a slice of every row and column is this mask
+        parts = index if isinstance(index, tuple) else (index,)
+        if all(isinstance(p, slice) and p.start in (None, 0) and p.stop is None
+               and p.step in (None, 1) for p in parts):
+            return self
+        return self._used_as_tensor()
 
 
 class _MaskUsed(ValueError, AttributeError):
@@ -300,8 +335,29 @@ def _model_mask(*, mask_function=None, local_size=None, config=None, attention_m
             kind = "ambiguous"
     # a mask of ones (BioGPT makes one when given none) pads nothing
     padded = attention_mask is not None and not bool(attention_mask.all())
-    return ModelMask(kind, local_size, custom=bool(use_vmap), padded=padded, family=family,
+    return ModelMask(kind, local_size, custom=bool(use_vmap) or _united(mask_function),
+                     padded=padded, family=family,
                      converted=converted(config))
+
+
+def _united(mask_function, depth: int = 0) -> bool:
+    """Whether transformers' ``mask_function`` unites the mask it describes with another one
+    (its ``or_masks``: a prefix-LM's bidirectional blocks from ``block_sequence_ids``, which
+    transformers adds without ``use_vmap``): keys a ModelMask does not describe."""
+    if depth > 8 or not callable(mask_function):
+        return False
+    if getattr(mask_function, "__qualname__", "") == "or_masks.<locals>.or_mask":
+        return True
+    if torch.compiler.is_compiling():  # dynamo cannot read closures: the outermost one only
+        return False  # (a union under a packed-documents and_mask is not seen there)
+    for cell in getattr(mask_function, "__closure__", None) or ():
+        try:
+            inner = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if any(_united(f, depth + 1) for f in (inner if isinstance(inner, tuple) else (inner,))):
+            return True
+    return False
 
 
 def _base_model_class(config):
