@@ -1,5 +1,6 @@
 """Exact context parallelism for sequence mixers that are not attention: linear recurrences
-(Mamba2's SSD, the gated delta rule, RG-LRU's diagonal scan, linear attention) and causal
+(Mamba2's SSD, the gated delta rule, RG-LRU's diagonal scan, linear attention, RWKV's WKV
+and xLSTM's mLSTM, whose states are kept on a running maximum's log scale) and causal
 convolutions, on the layouts of ``ringattn`` (contiguous, zigzag, per-document zigzag and
 doc_contiguous; striped is refused).
 
@@ -12,6 +13,7 @@ Packed documents (cu_seqlens) reset the state and stop the halo.
 
 from .core import causal_conv1d, linear_recurrence
 from .families import diagonal_recurrence, gated_delta_rule, mamba2_ssd
+from .rnn import mlstm, wkv
 
 __all__ = ["causal_conv1d", "diagonal_recurrence", "gated_delta_rule", "linear_recurrence",
-           "mamba2_ssd"]
+           "mamba2_ssd", "mlstm", "wkv"]

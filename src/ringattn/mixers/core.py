@@ -196,7 +196,7 @@ def linear_recurrence(scan, transition, inputs, *, state_shape, map_shape, out_s
                       kind: str = "diagonal", state_dtype=None, group=None,
                       layout: str = DEFAULT_LAYOUT, seqlen: int | None = None, cu_seqlens=None,
                       name: str = "linear_recurrence", params=(), error=None,
-                      entry_output=None):
+                      entry_output=None, compose=None):
     """Exact context-parallel linear recurrence S_t = M_t . S_{t-1} + U_t with a readout.
 
     The family is given by two local functions (plain torch code, or a kernel that takes an
@@ -228,6 +228,12 @@ def linear_recurrence(scan, transition, inputs, *, state_shape, map_shape, out_s
             of the decayed entering state; cheap for diagonal transitions). With it, a
             chunk that continues another is scanned once, from zero, and this is added;
             without it, it is scanned again from its entering state.
+        compose: optional ``compose(M, entry, C) -> state``, the state leaving a run whose
+            map is M and whose state from a zero entry is C, when entered with ``entry``,
+            for a state kept in a representation that is not linear: a running maximum's
+            log scale (``ringattn.mixers.wkv``, ``mlstm``: the state is the pair
+            (values / exp(m), m) and M the run's summed log decay). Default
+            ``M * entry + C`` (diagonal) or ``M @ entry + C`` (matrix).
         error: a TypeError/ValueError the caller found in its own arguments on this rank
             (or None): raised on every rank by the agreement, as the call's own checks are.
         params: tensors the functions read besides ``inputs`` (e.g. Mamba2's A): their
@@ -292,7 +298,12 @@ def linear_recurrence(scan, transition, inputs, *, state_shape, map_shape, out_s
         for r, i in plan.chains[index]:
             m = table[r, i, :m_numel].view(map_shape)
             s = table[r, i, m_numel:].view(state_shape)
-            entry = s if entry is None else (m * entry if kind == "diagonal" else m @ entry) + s
+            if entry is None:
+                entry = s
+            elif compose is not None:
+                entry = compose(m, entry, s)
+            else:
+                entry = (m * entry if kind == "diagonal" else m @ entry) + s
         if entry_output is None:
             parts[at] = scan(piece, entry)[0]
         else:
