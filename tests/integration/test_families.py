@@ -20,6 +20,10 @@ The CP run's outcome is
   parameter gradient summed over the ranks are within TOL of the reference;
 * "refused": the CP run raised TypeError or ValueError from ringattn's own code (a
   deliberate refusal; the message is kept);
+* "unconsumed" (the "shard" path only: an attention-free model, unconverted, ran its
+  forward without any ringattn call, so nothing could refuse during it; the batch's
+  ``RingContext`` counted no call and ``check_consumed``, the lower path's guard after the
+  forward, refuses it; declared in EXPECTED_SHARD);
 * "unbuildable" (transformers raised while building the model with "ringattn", before any
   ringattn code ran: acceptable only on the "shard" path, where nothing of ringattn's runs
   before building, for the families EXPECTED_SHARD declares so);
@@ -77,8 +81,8 @@ for working on a few: ``SURVEY_FAMILIES=mixtral,llama4 pytest tests/integration/
 test_families.py``)."""
 
 PATHS = ("prepare", "shard")
-EXACT, REFUSED, UNBUILDABLE = "exact", "refused", "unbuildable"
-ACCEPTABLE = {"prepare": (EXACT, REFUSED), "shard": (EXACT, REFUSED, UNBUILDABLE)}
+EXACT, REFUSED, UNBUILDABLE, UNCONSUMED = "exact", "refused", "unbuildable", "unconsumed"
+ACCEPTABLE = {"prepare": (EXACT, REFUSED), "shard": (EXACT, REFUSED, UNBUILDABLE, UNCONSUMED)}
 
 # What the library must do with each family (see docs/models.md); a dict gives the outcome
 # per batch kind.
@@ -163,6 +167,90 @@ EXPECTED = {
     # whose attention outputs are undefined after an attention layer: left padding is refused
     "recurrent_gemma": {"plain": EXACT, "padded": REFUSED},
     "minimax": EXACT,
+    # attention families, part 1
+    "afmoe": EXACT,
+    "arcee": EXACT,
+    "bitnet": EXACT,
+    "cohere2_moe": EXACT,
+    "cwm": EXACT,
+    "dbrx": EXACT,
+    # DeepSeek sparse attention: each query's top-k keys, scored against the whole sequence
+    "deepseek_v32": REFUSED,
+    "diffllama": EXACT,
+    "dots1": EXACT,
+    "ernie4_5": EXACT,
+    "ernie4_5_moe": EXACT,
+    "exaone_moe": EXACT,
+    "glm4_moe": EXACT,
+    "glm4_moe_lite": EXACT,
+    "glm_moe_dsa": REFUSED,  # DeepSeek sparse attention, as deepseek_v32
+    "gpt_bigcode": EXACT,
+    "granitemoeshared": EXACT,
+    "granite_swa": EXACT,
+    "granitemoe_swa": EXACT,
+    "hunyuan_v1_dense": EXACT,
+    "hunyuan_v1_moe": EXACT,
+    "hyperclovax": EXACT,
+    "jais2": EXACT,
+    "jetmoe": EXACT,
+    # hybrids (test_hybrid_families.py runs them packed and contiguous too)
+    "qwen3_5": EXACT,
+    "qwen3_5_moe": EXACT,
+    "lfm2_moe": EXACT,
+    "bamba": EXACT,
+    "mamba2": EXACT,
+    "nemotron_h": EXACT,
+    "mamba": EXACT,
+    "falcon_mamba": EXACT,
+    # more attention families (second block)
+    "ministral3": EXACT,
+    "nanochat": EXACT,
+    "vaultgemma": EXACT,
+    "minicpm3": EXACT,
+    "youtu": EXACT,
+    "axk1": EXACT,
+    "longcat_flash": EXACT,
+    "mimo_v2_flash": EXACT,
+    # minimax_m2, mellum, flint: router aux loss over the global token set (ra_hf.convert)
+    "minimax_m2": EXACT,
+    "solar_open": EXACT,
+    "mellum": EXACT,
+    "kolibri1": EXACT,
+    "laguna": EXACT,
+    "flint": EXACT,
+    "beam": EXACT,
+    "hy_v3": EXACT,
+    "dory": EXACT,
+    "apertus1p5_text": EXACT,
+    "cohere_compass_text": EXACT,
+    # KV sharing slices its masks by logits_to_keep (0: every row; ModelMask allows that);
+    # unscaled scores (scaling 1.0 after q/k norms) make it the most sensitive family: worst
+    # gradient 8.6e-6, where eager and sdpa in one process already differ by 6e-6
+    "gemma4_text": EXACT,
+    "hrm_text": EXACT,
+    "modernbert-decoder": EXACT,
+    "emu3": EXACT,
+    "ctrl": EXACT,
+    # computes attention itself (its class says so): ra_hf.convert puts ring attention in its
+    # module
+    "gpt_neox_japanese": EXACT,
+    # a learned indexer keeps each query's top-k keys over the whole sequence (sparse
+    # attention; deepseek_v4 also attends to keys compressed over blocks of tokens)
+    "axk2": REFUSED,
+    "hy_v4": REFUSED,
+    "dots3_note_text": REFUSED,
+    "deepseek_v4": REFUSED,
+    # more hybrids (integrations/_hybrid_more.py): LFM3's short convolution, ZAYA's CCA
+    # projection (q/k convolutions, delayed values) converted by convert_mixers
+    "lfm3": EXACT,
+    "zaya": EXACT,
+    "bailing_hybrid": EXACT,  # Kimi Delta Attention (per-channel decay) converted
+    # refused by convert_mixers, check_model and the mask function (docs/models.md says why):
+    # block-sparse attention picked by an indexer; a relative position bias computed per query
+    "minimax_m3_vl_text": REFUSED,
+    "inkling_text": REFUSED,
+    "inkling2_text": REFUSED,
+    "inkling2_loop_text": REFUSED,
 }
 
 
@@ -197,7 +285,48 @@ EXPECTED_SHARD = {
     "granitemoehybrid": REFUSED,
     "recurrent_gemma": REFUSED,
     "minimax": REFUSED,
+    # router aux loss, unconverted (attention families, part 1)
+    "dbrx": REFUSED,
+    "ernie4_5_moe": REFUSED,
+    "granitemoeshared": REFUSED,
+    "granitemoe_swa": REFUSED,
+    "jetmoe": REFUSED,
+    # unconverted hybrids (test_hybrid_families.py runs these too; mamba, mamba2 and
+    # falcon_mamba: UNCONSUMED, below)
+    "qwen3_5": REFUSED,
+    "qwen3_5_moe": REFUSED,
+    "lfm2_moe": REFUSED,
+    "bamba": REFUSED,
+    "nemotron_h": REFUSED,
+    # more hybrids, unconverted (integrations/_hybrid_more.py)
+    "lfm3": REFUSED,
+    "zaya": REFUSED,
+    "bailing_hybrid": REFUSED,
+    # more attention families (second block): router aux loss unconverted
+    "minimax_m2": REFUSED,
+    "mellum": REFUSED,
+    "flint": REFUSED,
+    "gpt_neox_japanese": REFUSED,  # unconverted: the mask function refuses it
 }
+
+# delta-rule hybrids (convert_mixers, integrations/_hybrid_delta.py): converted exact, their
+# unconverted linear layers refused; Qwen4-Exp's indexed attention picks key blocks per query
+# from every earlier key's content (its QSA indexer), which ring attention does not compute
+EXPECTED.update({"kimi_linear": EXACT, "olmo_hybrid": EXACT, "lara_mini": EXACT,
+                 "qwen4_exp": REFUSED})
+EXPECTED_SHARD.update({"kimi_linear": REFUSED, "olmo_hybrid": REFUSED, "lara_mini": REFUSED})
+
+# Zamba hybrids (convert_mixers, integrations/_hybrid_zamba.py): Zamba's multi-head Mamba and
+# Zamba2's Mamba2 layers across ranks, their shared attention blocks through the interface
+EXPECTED.update({"zamba": EXACT, "zamba2": EXACT})
+EXPECTED_SHARD.update({"zamba": REFUSED, "zamba2": REFUSED})
+
+EXPECTED_SHARD.update({name: UNCONSUMED for name in ("mamba", "mamba2", "falcon_mamba")})
+"""Attention-free families: without ``prepare_batch`` and ``convert`` no ringattn code runs
+in their forward (no attention call, no mask), so nothing refuses during it, and each
+rank's scan sees only its shard; the batch's ``RingContext`` then counts no call, which
+``check_consumed`` (the lower path's guard after the forward) refuses: "unconsumed".
+``prepare_batch`` (``check_model``) refuses them unconverted; converted they are exact."""
 
 
 def expected(family: str, kind: str, path: str = "prepare") -> str:
@@ -207,6 +336,11 @@ def expected(family: str, kind: str, path: str = "prepare") -> str:
 
 
 _RINGATTN_DIR = os.path.dirname(os.path.abspath(ra.__file__)) + os.sep
+
+
+class _Unconsumed(Exception):
+    """The "shard" path's forward finished without any ringattn call (an attention-free
+    model, unconverted): ``RingContext.check_consumed`` refused it afterwards."""
 
 
 class _Unbuildable(Exception):
@@ -224,6 +358,8 @@ def _failure(exc: BaseException) -> tuple[str, str]:
     """(outcome, message) of an exception raised by a CP run."""
     frames = traceback.extract_tb(exc.__traceback__)
     msg = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
+    if isinstance(exc, _Unconsumed):
+        return UNCONSUMED, str(exc).splitlines()[0][:300]
     if isinstance(exc, _Unbuildable):
         return "unbuildable", str(exc).splitlines()[0][:300]
     if isinstance(exc, (TypeError, ValueError)) and _raised_in_ringattn(exc):
@@ -273,6 +409,11 @@ def _context_parallel(name: str, batch: dict, group, path: str, layout: str = LA
     out = model(**local, use_cache=False)
     if path == "prepare":
         local["ring_context"].check_consumed(model)
+    elif local["ring_context"].calls == 0:  # what check_consumed refuses, told apart
+        try:
+            local["ring_context"].check_consumed(model)
+        except ValueError as exc:
+            raise _Unconsumed(str(exc)) from exc
     out.loss.backward()
     return model, out
 
@@ -389,22 +530,20 @@ def test_family_is_exact_or_refuses(surveyed, worst_errors, family, kind, world,
 
 
 def test_convert_refuses_what_it_cannot_make_exact():
-    """convert raises a ValueError for a family it does not serve (a hybrid whose layers
-    convert_mixers does not know, a learned dense mask); converting twice is a no-op (one
-    hook)."""
-    import transformers as tf
-
+    """convert raises a ValueError for what it does not serve (a hybrid with a sequence layer
+    convert_mixers does not know, a learned dense mask), convert_mixers for a family without
+    its layers; converting twice is a no-op (one hook)."""
     from ringattn.integrations import transformers as ra_hf
 
     ra_hf.register()
     with pytest.raises(ValueError, match="cannot run"):
         ra_hf.convert(build("doge", "ringattn"))
-    zamba = tf.Zamba2Config(vocab_size=97, hidden_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, mamba_d_state=8, mamba_headdim=16,
-                            n_mamba_heads=8, layers_block_type=["mamba", "hybrid"])
-    zamba._attn_implementation = "ringattn"
-    with pytest.raises(ValueError, match="zamba2"):
-        ra_hf.convert(tf.Zamba2ForCausalLM(zamba))
+    lfm2 = build("lfm2", "ringattn")  # its one short-conv layer made a module it does not know
+    lfm2.model.layers[0].conv = torch.nn.Identity()
+    with pytest.raises(ValueError, match="found 0 sequence-mixer layers in Lfm2ForCausalLM"):
+        ra_hf.convert(lfm2)
+    with pytest.raises(ValueError, match="convert_mixers does not serve llama"):
+        ra_hf.convert_mixers(build("llama", "ringattn"))
     model = build("mixtral", "ringattn")
     assert ra_hf.convert(ra_hf.convert(model)) is model
     assert len(model._forward_hooks) == 1 and ra_hf.global_router_loss(model.config)
@@ -419,6 +558,11 @@ def test_convert_refuses_what_it_cannot_make_exact():
         config._attn_implementation = "ringattn"
         with pytest.raises(ValueError, match="Build it with attn_implementation='eager'"):
             ra_hf.check_model(cls, config)
+    for name in ("deepseek_v32", "glm_moe_dsa"):  # sparse attention: top-k keys per query
+        with pytest.raises(ValueError, match="indexer keeps each query's top 8 keys"):
+            ra_hf.check_model(*reversed(FAMILIES[name]()))
+    model = build("jetmoe", "ringattn")  # its router loss coefficient is aux_loss_coef
+    assert ra_hf.convert(model) is model and ra_hf.global_router_loss(model.config)
 
 
 CONVERTED = ("mixtral", "llama4", "bloom", "falcon", "gpt_neo", "stablelm")
@@ -437,3 +581,12 @@ def test_converted_families_are_exact_in_other_layouts(clusters, layout):
         for name in names:
             outcome, detail = res[(name, "prepare")]
             assert outcome == EXACT, f"{name}, {layout}, rank {rank}: {outcome}: {detail}"
+
+
+# attention-free recurrences (convert_mixers, integrations/_hybrid_rnn.py): RWKV-4's token
+# shift and WKV, xLSTM's mLSTM across ranks; neither masks padding (a padded row's real
+# tokens read its padding tokens, which shard_batch replaces): left padding refused. No
+# ringattn code runs in their forward without prepare_batch and convert: UNCONSUMED
+EXPECTED.update({"rwkv": {"plain": EXACT, "padded": REFUSED},
+                 "xlstm": {"plain": EXACT, "padded": REFUSED}})
+EXPECTED_SHARD.update({"rwkv": UNCONSUMED, "xlstm": UNCONSUMED})

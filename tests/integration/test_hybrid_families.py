@@ -5,7 +5,8 @@ For each converted family (Gated DeltaNet: Qwen3-Next, Qwen3.5, Qwen3.5-MoE; sho
 convolution: LFM2, LFM2-MoE;
 Mamba2: Granite 4 hybrid, Bamba, Mamba2, Nemotron-H, Falcon-H1 with and without its gated
 RMSNorm; Mamba: Jamba, Mamba, FalconMamba; RG-LRU: RecurrentGemma, whose padded batches are
-refused; lightning attention: MiniMax), batch kind ("plain", "padded": row 1 left-padded by 7,
+refused; lightning attention: MiniMax; Mamba layers with shared attention blocks: Zamba
+(multi-head Mamba), Zamba2 (Mamba2)), batch kind ("plain", "padded": row 1 left-padded by 7,
 as in the family survey; "packed": one row of five documents of 1 to 15 tokens, their
 positions restarting at 0, compared with one process running each document as its own
 sequence; "contiguous": the plain batch on the contiguous layout) and world size W (2, 3; S = 37 divides neither 2W), every rank
@@ -30,7 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from families import FAMILIES, _COMMON, build
+from families import FAMILIES, build
 from reference import rel_err
 import ringattn as ra
 from test_families import GRAD_FLOOR, LAYOUT, SEQLEN, TOL, _errors, _flat_grads
@@ -46,98 +47,30 @@ WORLDS = (2, 3)
 GROUP_TIMEOUT_S = 30.0
 
 
-def _qwen3_5():
-    import transformers as tf
-
-    return tf.Qwen3_5TextConfig(
-        **_COMMON, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8,
-        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
-        layer_types=["linear_attention", "full_attention"],
-    ), tf.Qwen3_5ForCausalLM
-
-
-def _qwen3_5_moe():
-    import transformers as tf
-
-    return tf.Qwen3_5MoeTextConfig(
-        **{k: v for k, v in _COMMON.items() if k != "intermediate_size"}, head_dim=16,
-        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
-        linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=32, shared_expert_intermediate_size=32,
-        layer_types=["linear_attention", "full_attention"],
-    ), tf.Qwen3_5MoeForCausalLM
-
-
-def _lfm2_moe():
-    import transformers as tf
-
-    return tf.Lfm2MoeConfig(
-        **{k: v for k, v in _COMMON.items() if k != "intermediate_size"}, intermediate_size=96,
-        moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
-        conv_L_cache=3, layer_types=["conv", "full_attention"]), tf.Lfm2MoeForCausalLM
-
-
-def _bamba():
-    import transformers as tf
-
-    return tf.BambaConfig(**_COMMON, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32,
-                          mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=8), \
-        tf.BambaForCausalLM
-
-
-def _mamba2():
-    import transformers as tf
-
-    return tf.Mamba2Config(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_heads=4,
-                           head_dim=32, expand=2, state_size=8, n_groups=2, chunk_size=8,
-                           pad_token_id=0, bos_token_id=1, eos_token_id=2), tf.Mamba2ForCausalLM
-
-
-def _nemotron_h():
-    import transformers as tf
-
-    return tf.NemotronHConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=96, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, layers_block_type=["linear_attention", "full_attention", "mlp"],
-        mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=8, n_groups=2, chunk_size=8,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2), tf.NemotronHForCausalLM
-
-
 def _falcon_h1_norm():
     cfg, cls = FAMILIES["falcon_h1"]()
     cfg.mamba_rms_norm = True  # the gated RMSNorm instead of the SiLU gate
     return cfg, cls
 
 
-def _mamba():
-    import transformers as tf
-
-    return tf.MambaConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2, state_size=8,
-                          expand=2, conv_kernel=4, time_step_rank=8, pad_token_id=0,
-                          bos_token_id=1, eos_token_id=2), tf.MambaForCausalLM
-
-
-def _falcon_mamba():
-    import transformers as tf
-
-    return tf.FalconMambaConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2,
-                                state_size=8, expand=2, conv_kernel=4, time_step_rank=8,
-                                pad_token_id=0, bos_token_id=1, eos_token_id=2), \
-        tf.FalconMambaForCausalLM
-
-
-EXTRA = {"qwen3_5_moe": _qwen3_5_moe, "lfm2_moe": _lfm2_moe, "mamba": _mamba, "falcon_mamba": _falcon_mamba, "qwen3_5": _qwen3_5, "bamba": _bamba, "mamba2": _mamba2, "nemotron_h": _nemotron_h,
-         "falcon_h1_norm": _falcon_h1_norm}
-"""Families the survey (tests/families.py) does not build yet."""
+EXTRA = {"falcon_h1_norm": _falcon_h1_norm}
+"""Variants the survey (tests/families.py, which builds every other family here) does not
+build."""
 
 CONVERTED = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "granitemoehybrid", "bamba", "mamba2",
              "nemotron_h", "falcon_h1", "falcon_h1_norm", "jamba", "mamba", "falcon_mamba",
              "recurrent_gemma", "minimax")
+CONVERTED += ("zamba", "zamba2")  # Zamba hybrids (integrations/_hybrid_zamba.py)
+CONVERTED += ("lfm3", "zaya", "bailing_hybrid")  # more hybrids (integrations/_hybrid_more.py)
+CONVERTED += ("kimi_linear", "olmo_hybrid", "lara_mini")  # delta rules (_hybrid_delta.py)
+CONVERTED += ("rwkv", "xlstm")  # attention-free recurrences (integrations/_hybrid_rnn.py)
 
 REFUSED = {("recurrent_gemma", "padded"): "reads the padding positions"}
 """Cases refused on every rank (the message's words): RecurrentGemma's recurrent block does
 not mask padding, so one process's result depends on the padding tokens, which shard_batch
 replaces by each row's first real token."""
+REFUSED.update({("rwkv", "padded"): "reads the padding tokens",  # they mask nothing either
+                ("xlstm", "padded"): "reads the padding tokens"})
 
 
 def _build(name: str, attn: str):
@@ -276,15 +209,12 @@ def test_converted_family_equals_one_process(exact, worst_errors, family, kind, 
                 worst_errors[key] = max(worst_errors.get(key, (0.0, TOL)), (errs[what], TOL))
 
 
-def _zamba2():
-    """A hybrid family convert_mixers does not serve."""
-    import transformers as tf
-
-    cfg = tf.Zamba2Config(vocab_size=97, hidden_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, mamba_d_state=8, mamba_headdim=16,
-                          n_mamba_heads=8, layers_block_type=["mamba", "hybrid"], pad_token_id=0)
-    cfg._attn_implementation = "ringattn"
-    return tf.Zamba2ForCausalLM(cfg)
+def _unknown_layer():
+    """A hybrid whose sequence layer convert_mixers does not know: LFM2 with its one
+    short-convolution layer replaced by a plain torch module."""
+    model = _build("lfm2", "ringattn")
+    model.model.layers[0].conv = torch.nn.Identity()
+    return model
 
 
 def refusals() -> list:
@@ -299,7 +229,7 @@ def refusals() -> list:
         # a class passes (convert fixes it after building); its built model does not
         lambda: ra_hf.check_model(*reversed(FAMILIES["lfm2"]())),
         lambda: ra_hf.check_model(_build("lfm2", "ringattn")),
-        lambda: ra_hf.convert_mixers(_zamba2()),  # not served
+        lambda: ra_hf.convert_mixers(_unknown_layer()),  # not served
         lambda: ra_hf.convert_mixers(torch.nn.Linear(2, 2)),
     ):
         try:
@@ -324,8 +254,8 @@ def test_refusals_on_every_rank(clusters):
             and "linear_attention" in unconverted, (rank, unconverted)
         assert cls is None, (rank, cls)
         assert built and "convert(model)" in built and "conv" in built, (rank, built)
-        assert unserved and "zamba2" in unserved and unserved.startswith("ValueError"), (
-            rank, unserved)
+        assert unserved and "found 0 sequence-mixer layers in Lfm2ForCausalLM" in unserved \
+            and unserved.startswith("ValueError"), (rank, unserved)
         assert linear and linear.startswith("TypeError") and "Linear" in linear, (rank, linear)
         assert cache and "use_cache=False" in cache, (rank, cache)
 
@@ -356,3 +286,25 @@ def test_recurrent_gemma_padding_is_undefined():
         torch.manual_seed(0)
         logits[impl] = tf.RecurrentGemmaForCausalLM(cfg)(**plain, use_cache=False).logits
     assert rel_err(logits["sdpa"], logits["eager"]) < 1e-5
+
+
+def test_composite_qwen3_5_points_to_its_language_model():
+    """Qwen3.5 checkpoints are vision-language composites (Qwen3_5ForConditionalGeneration,
+    config with a text_config): the composite is refused, before and after building, with a
+    message naming what is served; AutoModelForCausalLM on the same config builds the text
+    model (the survey's qwen3_5), which converts."""
+    import transformers as tf
+
+    from ringattn.integrations import transformers as ra_hf
+
+    ra_hf.register()
+    text, _ = FAMILIES["qwen3_5"]()
+    config = tf.Qwen3_5Config(text_config=text.to_dict())
+    config._attn_implementation = "ringattn"
+    for attempt in (lambda: ra_hf.check_model(tf.Qwen3_5ForConditionalGeneration, config),
+                    lambda: ra_hf.convert(tf.Qwen3_5ForConditionalGeneration(config))):
+        with pytest.raises(ValueError, match="composite model .*AutoModelForCausalLM"):
+            attempt()
+    model = tf.AutoModelForCausalLM.from_config(config)
+    assert type(model).__name__ == "Qwen3_5ForCausalLM"
+    assert ra_hf.convert(model) is model and ra_hf.mixers_converted(model.config)
