@@ -56,6 +56,11 @@ class RingContext:
     """``position_ids`` are the slot indices 0..S-1 that ``shard_batch`` made (the batch gave
     none) while a row has padding before a real token: models that count positions from
     the padding mask (OPT) would compute other ones, and their attention refuses this."""
+    padded_ids: torch.Tensor | None = None
+    """[B, L] this rank's ``input_ids`` with the batch's own ids at its left-padding slots,
+    where ``input_ids`` hold the row's first real token (None without left padding): for
+    models whose sequence layers read the padding positions (RWKV, xLSTM: transformers masks
+    nothing there), which ``convert_mixers``' pre-hook gives them."""
     calls: int = 0
     """Attention calls that used this context (``record_call``): a model that never calls
     the registered attention function leaves it at 0 (``check_consumed``)."""
@@ -173,7 +178,7 @@ def shard_batch(batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, extra_
     """
     pg = resolve_group(group)
     check_strategy(strategy, group)
-    ids = batch.get("input_ids")
+    ids = original = batch.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise ValueError("batch['input_ids'] must be a [B, S] tensor")
     b, s = ids.shape
@@ -240,9 +245,13 @@ def shard_batch(batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, extra_
         # padding before a real token: counting real tokens gives other positions than slots
         slot_positions = batch.get("position_ids") is None and cu is None and bool(
             (real_keys & (real_keys.cumsum(1) != torch.arange(1, s + 1, device=keep.device))).any())
+    padded_ids = None
+    if left is not None:  # the padding's own ids, for models that read them (RingContext)
+        padded_ids = same_tag(torch.where(real.to(ids.device), shard(original, **kw),
+                                          local["input_ids"]), ids_local)
     local["ring_context"] = RingContext(pg, layout, s, cu, mask, left, strategy,
                                         group if is_hybrid_mesh(group) else None,
-                                        slot_positions=slot_positions)
+                                        slot_positions=slot_positions, padded_ids=padded_ids)
     return local
 
 

@@ -584,9 +584,9 @@ def test_converted_families_are_exact_in_other_layouts(clusters, layout):
 
 
 # attention-free recurrences (convert_mixers, integrations/_hybrid_rnn.py): RWKV-4's token
-# shift and WKV, xLSTM's mLSTM across ranks; neither masks padding (a padded row's real
-# tokens read its padding tokens, which shard_batch replaces): left padding refused. No
-# ringattn code runs in their forward without prepare_batch and convert: UNCONSUMED
-EXPECTED.update({"rwkv": {"plain": EXACT, "padded": REFUSED},
-                 "xlstm": {"plain": EXACT, "padded": REFUSED}})
+# shift and WKV, xLSTM's mLSTM across ranks; neither masks padding (a left-padded row's real
+# tokens read its padding tokens, which shard_batch replaces: the converted model's pre-hook
+# gives them back from RingContext.padded_ids). No ringattn code runs in their forward
+# without prepare_batch and convert: UNCONSUMED
+EXPECTED.update({"rwkv": EXACT, "xlstm": EXACT})
 EXPECTED_SHARD.update({"rwkv": UNCONSUMED, "xlstm": UNCONSUMED})

@@ -67,10 +67,10 @@ CONVERTED += ("rwkv", "xlstm")  # attention-free recurrences (integrations/_hybr
 
 REFUSED = {("recurrent_gemma", "padded"): "reads the padding positions"}
 """Cases refused on every rank (the message's words): RecurrentGemma's recurrent block does
-not mask padding, so one process's result depends on the padding tokens, which shard_batch
-replaces by each row's first real token."""
-REFUSED.update({("rwkv", "padded"): "reads the padding tokens",  # they mask nothing either
-                ("xlstm", "padded"): "reads the padding tokens"})
+not mask padding, so one process's real tokens read padding positions whose attention
+outputs are undefined (test_recurrent_gemma_padding_is_undefined). RWKV and xLSTM mask
+nothing either, but their padding positions are a function of the padding ids alone, which
+the converted models get back (RingContext.padded_ids): exact."""
 
 
 def _build(name: str, attn: str):

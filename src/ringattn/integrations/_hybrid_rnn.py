@@ -35,12 +35,17 @@ KWARGS_STOP: frozenset = frozenset({"rwkv", "xlstm"})
 """The families among FAMILIES whose model does not pass ring_context on to its layers."""
 
 
-def _unpadded(ctx, family: str) -> None:
-    if ctx.mask is not None:
+def _unpadded(module, ctx, family: str) -> None:
+    """A left-padded row's real tokens read its padding tokens (transformers masks nothing
+    there): the model's pre-hook gives it the padding's own ids (``ctx.padded_ids``, with
+    ``input_ids`` passed by keyword); without them, refused. Right padding comes after every
+    real token: nothing real reads it."""
+    if ctx.left_padding is not None and not module.__dict__.get("_padding_restored", False):
         raise ValueError(
-            f"{family} reads the padding tokens of a padded row (transformers does not mask "
-            f"them), which ringattn.shard_batch replaces: its padded batches cannot be sharded "
-            f"exactly; pack the rows or drop the padding")
+            f"{family} reads the padding tokens of a left-padded row (transformers does not "
+            f"mask them), which ringattn.shard_batch replaces by the row's first real token: "
+            f"the converted model restores them only from input_ids passed by keyword "
+            f"(model(**local) with shard_batch's input_ids), not from inputs_embeds")
 
 
 def _shifted(hidden, ctx):
@@ -57,13 +62,15 @@ def _shifted(hidden, ctx):
 class _RwkvTimeMix(_RingMixer):
     """RWKV's time mixing: the token shift, then WKV, times the sigmoid receptance."""
 
+    _reads_padding = True
+
     def forward(self, hidden, state=None, use_cache=False):
         ctx = _context(self, {"cache": state})
         if ctx is None:
             return super(_RingMixer, self).forward(hidden, state=state, use_cache=use_cache)
         from ..mixers import wkv
 
-        _unpadded(ctx, "RWKV")
+        _unpadded(self, ctx, "RWKV")
         shifted = _shifted(hidden, ctx)
         key = hidden * self.time_mix_key + shifted * (1 - self.time_mix_key)
         value = hidden * self.time_mix_value + shifted * (1 - self.time_mix_value)
@@ -80,11 +87,13 @@ class _RwkvChannelMix(_RingMixer):
     """RWKV's channel mixing: the token shift, then a squared-ReLU MLP gated by the sigmoid
     receptance (per token)."""
 
+    _reads_padding = True
+
     def forward(self, hidden, state=None):
         ctx = _context(self, {"cache": state})
         if ctx is None:
             return super(_RingMixer, self).forward(hidden, state=state)
-        _unpadded(ctx, "RWKV")
+        _unpadded(self, ctx, "RWKV")
         shifted = _shifted(hidden, ctx)
         key = hidden * self.time_mix_key + shifted * (1 - self.time_mix_key)
         receptance = hidden * self.time_mix_receptance + shifted * (1 - self.time_mix_receptance)
@@ -97,6 +106,8 @@ class _MLstmBackend(_RingMixer):
     in, h [B, H, S, dv] out; under a ring context the cell runs across the ranks
     (``mlstm``), each chunk scanned by the backend's inference kernel."""
 
+    _reads_padding = True
+
     def forward(self, query, key, value, igate, fgate, c_initial=None, n_initial=None,
                 m_initial=None, return_last_states=None, mode=None):
         initial = next((s for s in (c_initial, n_initial, m_initial) if s is not None), None)
@@ -106,7 +117,7 @@ class _MLstmBackend(_RingMixer):
                                                    n_initial, m_initial, return_last_states, mode)
         from ..mixers import mlstm
 
-        _unpadded(ctx, "xLSTM")
+        _unpadded(self, ctx, "xLSTM")
         mode = self.config.mode if mode is None else mode
         chunk = self.config.chunk_size
         if "train" not in mode and "inference" not in mode:

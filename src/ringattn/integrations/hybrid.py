@@ -445,9 +445,17 @@ interleaving two CP batches' forwards before their backwards is not served there
 
 def _hand_context(model, args, kwargs):
     ctx = kwargs.get("ring_context")
-    for module in model.modules():
-        if isinstance(module, _RingMixer):
-            module._ring_context = ctx
+    mixers = [m for m in model.modules() if isinstance(m, _RingMixer)]
+    # layers that read the padding positions (RWKV, xLSTM) get the padding's own ids back
+    restore = (ctx is not None and getattr(ctx, "padded_ids", None) is not None
+               and kwargs.get("input_ids") is not None
+               and any(getattr(m, "_reads_padding", False) for m in mixers))
+    for module in mixers:
+        module._ring_context = ctx
+        module._padding_restored = restore
+    if restore:
+        kwargs["input_ids"] = ctx.padded_ids
+        return args, kwargs
     return None
 
 
