@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import ringattn as ra
 from ringattn import mixers
+from test_mixers import _raises  # (type name, message) of what fn raises
 
 EPS = 1e-2
 """eps of the mLSTM cases (xLSTM's default is 1e-6): large, so that the stabiliser m, which
@@ -226,14 +227,6 @@ def test_transformers_functions_as_the_local_scan(clusters):
     for rank, errs in enumerate(clusters(2).run(kernels_fit, timeout=90)):
         for name in ("wkv", "mlstm"):
             assert errs[name]["out"] < 1e-5 and errs[name]["grad"] < 1e-5, (rank, errs)
-
-
-def _raises(fn):
-    try:
-        fn()
-    except (TypeError, ValueError) as exc:
-        return type(exc).__name__, str(exc)
-    return None, "no error"
 
 
 def refusals():
