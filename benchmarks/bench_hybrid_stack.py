@@ -57,11 +57,15 @@ tables give the median (range) over rounds. After every step of every method, ou
 timed window, the process gives its freed heap back to the OS (``trim``: one machine's
 memory holds all the ranks and the driver).
 
-    python benchmarks/bench_hybrid_stack.py                     # S 4096, 8192; 3 rounds
-    python benchmarks/bench_hybrid_stack.py --quick             # S 1024, 4096; 1 round
-    python benchmarks/bench_hybrid_stack.py --family granite4   # the Mamba2 hybrid
+    python benchmarks/bench_hybrid_stack.py                     # S 4096, 8192; 3 rounds: 6 min
+    python benchmarks/bench_hybrid_stack.py --quick             # S 1024, 4096; 1 round: 2-4.5 min
+    python benchmarks/bench_hybrid_stack.py --family granite4 --seqlens 2048 4096   # the Mamba2 hybrid: 5 min
     python benchmarks/bench_hybrid_stack.py --smoke             # S 256, W 1 2, 1 round, to results/smoke/
     python benchmarks/bench_hybrid_stack.py --replot            # table and PNG from the JSON
+
+S stops at 8192 by default: at S=16384 the W=1 check of ``qwen3_5`` misses 1e-5 against one
+fp32 process (1.04e-5 on layer 0's ``A_log`` gradient), where that one process is itself
+1.04e-5 from the same model in float64 and CP 6.2e-6 (``--fp64``; benchmarks/RESULTS.md).
 
 Writes ``<out>/hybrid_stack_<family>.json`` (every round, per-rank peaks and collectives
 per caller, errors, machine, load average) and ``hybrid_stack_<family>.png``.
