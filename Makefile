@@ -100,6 +100,7 @@ bench: install
 	$(PY) benchmarks/bench_yunchang.py
 	$(PY) benchmarks/bench_compat.py
 	$(PY) benchmarks/bench_mixers.py --quick
+	$(PY) benchmarks/bench_hybrid_stack.py --quick
 	$(PY) benchmarks/report.py
 
 clean:
