@@ -226,8 +226,10 @@ def linear_recurrence(scan, transition, inputs, *, state_shape, map_shape, out_s
         entry_output: optional ``entry_output(pieces, state) -> [B, n, *out_shape]``, what a
             run's outputs gain from entering with ``state`` instead of zero (the readout
             of the decayed entering state; cheap for diagonal transitions). With it, a
-            chunk that continues another is scanned once, from zero, and this is added;
-            without it, it is scanned again from its entering state.
+            chunk that continues another and exports its own leaving state (which needs
+            the scan from zero) is scanned once, from zero, and this is added; without
+            it, it is scanned again from its entering state. A chunk that exports nothing
+            is scanned once, from its entering state, either way.
         compose: optional ``compose(M, entry, C) -> state``, the state leaving a run whose
             map is M and whose state from a zero entry is C, when entered with ``entry``,
             for a state kept in a representation that is not linear: a running maximum's
@@ -275,14 +277,18 @@ def linear_recurrence(scan, transition, inputs, *, state_shape, map_shape, out_s
             piece = tuple(t[:, at:at + n] for t in inputs)
             needs_entry = i == 0 and not c.starts_doc
             exports = i == len(pieces) - 1 and plan.sends_state[me][c.index]
-            if not needs_entry or exports or entry_output is not None:
+            # a piece that needs its entering state is scanned once, from it, after the
+            # gather; one that also exports its leaving state is scanned from zero first
+            # (the state it exports), and its entry then added by entry_output if given
+            added = needs_entry and exports and entry_output is not None
+            if not needs_entry or exports:
                 out, final = scan(piece, None)
-                if not needs_entry or entry_output is not None:
+                if not needs_entry or added:
                     parts[at] = out
                 if exports:
                     c_row = final.to(sdtype).reshape(-1)
             if needs_entry:
-                later.append((c.index, at, piece))
+                later.append((c.index, at, piece, added))
         if plan.sends_map[me][c.index]:  # then it has no cuts: one piece, the whole chunk
             whole = tuple(t[:, c.local_start:c.local_start + c.length] for t in inputs)
             m_row = transition(whole).to(sdtype).expand(map_shape).reshape(-1)
@@ -293,7 +299,7 @@ def linear_recurrence(scan, transition, inputs, *, state_shape, map_shape, out_s
     anchors = [t for t in (*inputs, *params) if isinstance(t, torch.Tensor)] if needs_grad else []
     table = _gather(torch.stack(rows), pg, f"{name}'s all-gather of the chunks' state maps",
                     anchors)
-    for index, at, piece in later:
+    for index, at, piece, added in later:
         entry = None
         for r, i in plan.chains[index]:
             m = table[r, i, :m_numel].view(map_shape)
@@ -304,10 +310,10 @@ def linear_recurrence(scan, transition, inputs, *, state_shape, map_shape, out_s
                 entry = compose(m, entry, s)
             else:
                 entry = (m * entry if kind == "diagonal" else m @ entry) + s
-        if entry_output is None:
-            parts[at] = scan(piece, entry)[0]
-        else:
+        if added:
             parts[at] = (parts[at] + entry_output(piece, entry)).to(parts[at].dtype)
+        else:
+            parts[at] = scan(piece, entry)[0]
     dtype = next(iter(parts.values())).dtype if parts else x0.dtype
     y = _assemble(plan, parts, x0, tuple(out_shape), dtype)
     if needs_grad and plan.world > 1:
