@@ -953,6 +953,13 @@ def _ctrl():
                          resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=0), tf.CTRLLMHeadModel
 
 
+def _openai_gpt():
+    tf = _tf()
+    return tf.OpenAIGPTConfig(vocab_size=VOCAB, n_positions=256, n_embd=64, n_layer=2, n_head=4,
+                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                              pad_token_id=0), tf.OpenAIGPTLMHeadModel
+
+
 def _gpt_neox_japanese():
     tf = _tf()
     return tf.GPTNeoXJapaneseConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
@@ -1245,6 +1252,7 @@ FAMILIES = {
     "modernbert-decoder": _modernbert_decoder,
     "emu3": _emu3,
     "ctrl": _ctrl,
+    "openai-gpt": _openai_gpt,
     "gpt_neox_japanese": _gpt_neox_japanese,
     "axk2": _axk2,
     "hy_v4": _hy_v4,
@@ -1396,6 +1404,7 @@ FEATURES = {
     "modernbert-decoder": "full + sliding (window 7) layer, biases, LayerNorm",
     "emu3": "Emu3's text decoder (Llama-style, GQA)",
     "ctrl": "sinusoidal positions, scaled embeddings",
+    "openai-gpt": "learned positions, no AttentionInterface",
     "gpt_neox_japanese": "rotary, fused qkv, last layer's attention bias, no AttentionInterface",
     "axk2": "MLA + DeepSeek sparse attention indexer (top 8 keys per query)",
     "hy_v4": "MLA + sparse attention indexer (top 8 keys per query), sinks",

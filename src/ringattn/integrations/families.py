@@ -20,7 +20,8 @@ computes from the whole sequence, so registering ring attention is not enough:
   what one process computes; without a ring context, by the positions transformers uses.
 * Families that compute attention in their own modules: BLOOM and MPT (ALiBi: ring
   attention with their slopes as ``alibi_slopes``), XGLM, Falcon and GPT-NeoX-Japanese
-  (rotary) and GPT-Neo (unscaled scores, windowed local layers). ``convert`` swaps those
+  (rotary), OpenAI GPT (learned positions) and GPT-Neo (unscaled scores, windowed local
+  layers). ``convert`` swaps those
   module instances' class for a subclass that keeps their projections (and rotary
   embedding) and calls ring attention. Falcon and GPT-Neo cannot be built with "ringattn"
   (their constructors look the attention class up in a dict of their own: KeyError), so
@@ -239,7 +240,7 @@ BUILT_EAGER = frozenset({"gpt_neo", "falcon"})
 """Families whose constructor looks its attention class up by attn_implementation in a dict
 of its own (a bare KeyError for "ringattn"): built with "eager", then converted (``convert``
 replaces the attention modules and sets the config's attention implementation)."""
-_OWN_ATTENTION = frozenset({"xglm", "gpt_neo", "falcon", "gpt_neox_japanese"})
+_OWN_ATTENTION = frozenset({"xglm", "gpt_neo", "falcon", "gpt_neox_japanese", "openai-gpt"})
 _INTERFACE = frozenset({"biogpt"})
 """Families whose attention calls the attention interface with the batch's keyword
 arguments although their class does not declare it (``is_backend_compatible()`` False):
@@ -454,9 +455,31 @@ def _ring_gpt_neox_japanese_attention(base):
     return RingGPTNeoXJapaneseAttention
 
 
+def _ring_openai_gpt_attention(base):
+    class RingOpenAIGPTAttention(base):
+        """OpenAI GPT's attention over the ring: its own fused projection and output
+        projection, scores scaled by 1/sqrt(D) where the block says so, causal (its mask
+        buffer), ring attention in between."""
+
+        def _attn(self, q, k, v, attention_mask=None, output_attentions=False):
+            from .transformers import ring_attention_forward
+
+            if output_attentions:
+                raise TypeError("ring attention returns no attention weights "
+                                "(output_attentions=True)")
+            out, _ = ring_attention_forward(  # k arrives [B, H, D, L]; out [B, L, H, D]
+                self, q, k.transpose(-1, -2), v, attention_mask, is_causal=True,
+                dropout=self.attn_dropout.p if self.training else 0.0,
+                scaling=v.shape[-1] ** -0.5 if self.scale else 1.0,
+                ring_context=_ring_context(self))
+            return [out.transpose(1, 2)]
+
+    return RingOpenAIGPTAttention
+
+
 def _convert_own_attention(model) -> None:
-    """Replace XGLM's, GPT-Neo's, Falcon's or GPT-NeoX-Japanese's attention modules by ring
-    attention."""
+    """Replace XGLM's, GPT-Neo's, Falcon's, GPT-NeoX-Japanese's or OpenAI GPT's attention
+    modules by ring attention."""
     from .transformers import NAME
 
     if model.config.model_type == "falcon":
@@ -470,6 +493,10 @@ def _convert_own_attention(model) -> None:
         from transformers.models.xglm.modeling_xglm import XGLMAttention as base
 
         cls = _ring_xglm_attention(base)
+    elif model.config.model_type == "openai-gpt":
+        from transformers.models.openai.modeling_openai import Attention as base
+
+        cls = _ring_openai_gpt_attention(base)
     elif model.config.model_type == "gpt_neox_japanese":
         from transformers.models.gpt_neox_japanese.modeling_gpt_neox_japanese import (
             GPTNeoXJapaneseAttention as base)
