@@ -70,6 +70,9 @@ SEQLEN = 37  # divides none of 2, 3, 4, 6: every shard is padded
 LAYOUT = "zigzag"
 WORLDS = (2, 3)
 KINDS = {"plain": "plain", "padded": "left-padding"}  # our name -> test_transformers' batch
+BATCHES = {**KINDS, "right": "right-padding"}
+"""Every batch ``survey`` takes: KINDS (the survey's matrix) and right padding (row 1's last
+6 tokens; one test below)."""
 GROUP_TIMEOUT_S = 30.0
 """Collective timeout of each family's group: a family whose ranks disagree fails as
 "hang" after this long instead of holding the cluster until its own timeout."""
@@ -471,7 +474,7 @@ def survey(names, kind: str, group_timeout_s: float = GROUP_TIMEOUT_S, layout: s
     from ringattn.integrations import transformers as ra_hf
 
     ra_hf.register()
-    batch = _batch(KINDS[kind], SEQLEN)
+    batch = _batch(BATCHES[kind], SEQLEN)
     results = {}
     for name in names:
         try:
@@ -594,3 +597,21 @@ def test_converted_families_are_exact_in_other_layouts(clusters, layout):
 EXPECTED.update({"rwkv": EXACT, "xlstm": EXACT})
 EXPECTED_SHARD.update({"rwkv": UNCONSUMED, "xlstm": UNCONSUMED,
                        "openai-gpt": UNCONSUMED})
+
+
+READ_PADDING = ("rwkv", "xlstm", "recurrent_gemma", "mamba", "zamba2", "openai-gpt")
+"""Families whose layers read or mask padding themselves (RWKV, xLSTM and RecurrentGemma mask
+nothing; Mamba and Zamba2 zero padded inputs; OpenAI GPT adds its own padding mask)."""
+
+
+@pytest.mark.timeout(300)
+def test_right_padded_rows_are_exact(clusters):
+    """Right padding comes after every real token of its row: nothing real reads it, so it is
+    exact even for the families that mask nothing (W 3, prepare path)."""
+    names = [n for n in READ_PADDING if n in SELECTED]
+    results = clusters(3).run(survey, names, "right", GROUP_TIMEOUT_S, LAYOUT, ("prepare",),
+                              timeout=240)
+    for rank, res in enumerate(results):
+        for name in names:
+            outcome, detail = res[(name, "prepare")]
+            assert outcome == EXACT, f"{name}, right-padded, rank {rank}: {outcome}: {detail}"

@@ -256,22 +256,23 @@ class _RecurrentBlock(_RingMixer):
     not mask padding: a padded row's real tokens read its padding positions, which after an
     attention layer hold the outputs of queries that see no key (undefined: with a
     recurrent layer after an attention layer, transformers' eager and sdpa attention differ
-    by 1.8% relative on the real tokens of a left-padded row). A padded batch is refused."""
+    by 1.8% relative on the real tokens of a left-padded row). A left-padded batch is
+    refused; right padding follows every real token of its row, which none reads."""
 
     _stateful = True  # use_cache=True makes transformers' block keep its states
 
     def _ring_forward(self, hidden, ctx, position_ids=None, **_):
         from ..mixers import causal_conv1d, diagonal_recurrence
 
-        if ctx.mask is not None or position_ids is None:
+        if ctx.left_padding is not None or position_ids is None:  # right padding: unread
             raise ValueError(
-                "RecurrentGemma's recurrent block reads the padding positions of a padded "
+                "RecurrentGemma's recurrent block reads the padding positions of a left-padded "
                 "row (transformers masks nothing there), and after an attention layer those "
                 "hold the output of queries that see no key, which no attention defines "
-                "(transformers' own eager and sdpa differ there): its padded batches have no "
-                "exact result to match; pack the rows (position_ids restarting at 0) or drop "
-                "the padding"
-                if ctx.mask is not None else
+                "(transformers' own eager and sdpa differ there): its left-padded batches have "
+                "no exact result to match; pad on the right, pack the rows (position_ids "
+                "restarting at 0) or drop the padding"
+                if ctx.left_padding is not None else
                 "RecurrentGemma's recurrent block needs the position ids (its state resets "
                 "where they are 0)")
         ring = _ring_args(ctx)
