@@ -172,9 +172,10 @@ def shard_batch(batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, extra_
 
     Raises:
         ValueError: a missing or misshapen ``input_ids``, inconsistent shapes, bad
-            documents, an entry it neither reads nor finds in ``extra_keys`` (which the
-            model would otherwise run without, e.g. a prefix-LM's ``token_type_ids``) (the batch is the same on every rank, so every rank raises; shapes
-            that differ between ranks are caught by ``shard``'s agreement check).
+            documents, an entry it neither reads nor finds in ``extra_keys`` (the model
+            would otherwise run without it, e.g. a prefix-LM's ``token_type_ids``). The
+            batch is the same on every rank, so every rank raises; shapes that differ
+            between ranks are caught by ``shard``'s agreement check.
     """
     pg = resolve_group(group)
     check_strategy(strategy, group)
