@@ -279,7 +279,7 @@ def test_recurrent_gemma_padding_is_undefined():
         torch.manual_seed(0)
         logits[impl] = tf.RecurrentGemmaForCausalLM(cfg)(**batch, use_cache=False).logits
     real = batch["attention_mask"].bool()
-    assert rel_err(logits["sdpa"][real], logits["eager"][real]) > 1e-3
+    assert rel_err(logits["sdpa"][real], logits["eager"][real]) > 1e-2  # 1.8e-2 measured
     plain = _batch("plain", SEQLEN)  # without padding the two agree: the gap is the padding
     for impl in ("eager", "sdpa"):
         cfg._attn_implementation = impl

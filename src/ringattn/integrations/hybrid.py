@@ -256,8 +256,9 @@ class _RecurrentBlock(_RingMixer):
     not mask padding: a padded row's real tokens read its padding positions, which after an
     attention layer hold the outputs of queries that see no key (undefined: with a
     recurrent layer after an attention layer, transformers' eager and sdpa attention differ
-    by 1.8% relative on the real tokens of a left-padded row). A left-padded batch is
-    refused; right padding follows every real token of its row, which none reads."""
+    by more than 1% relative on the real tokens of a left-padded row:
+    test_recurrent_gemma_padding_is_undefined). A left-padded batch is refused; right
+    padding follows every real token of its row, which none reads."""
 
     _stateful = True  # use_cache=True makes transformers' block keep its states
 
