@@ -307,4 +307,4 @@ def test_composite_qwen3_5_points_to_its_language_model():
             attempt()
     model = tf.AutoModelForCausalLM.from_config(config)
     assert type(model).__name__ == "Qwen3_5ForCausalLM"
-    assert ra_hf.convert(model) is model and ra_hf.mixers_converted(model.config)
+    assert ra_hf.convert(model) is model and ra_hf.mixers_converted(model)

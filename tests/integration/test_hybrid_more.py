@@ -89,4 +89,4 @@ def test_converted_families_are_checked(family):
     ra_hf.check_model(*reversed(FAMILIES[family]()))  # a class: convert fixes it after building
     ra_hf.convert(model)
     ra_hf.check_model(model)
-    assert ra_hf.mixers_converted(model.config)
+    assert ra_hf.mixers_converted(model)

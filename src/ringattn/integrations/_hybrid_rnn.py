@@ -14,11 +14,16 @@ RWKV (RWKV-4) and xLSTM have no attention at all: every sequence layer is a recu
   (chunkwise, then recurrent for the rest). Its projections, gates, soft caps, multi-head
   norm and output gate around it are per token and stay transformers'.
 
-Neither model masks padding (transformers ignores their attention mask: a left-padded row's
+Neither model masks padding (transformers ignores their attention mask): a left-padded row's
 real tokens read its padding tokens, which ``shard_batch`` replaces by the row's first real
-token), so a padded batch is refused on every rank, as RecurrentGemma's is; packed rows are
-served. Their models do not pass ``ring_context`` on to their blocks: a forward pre-hook on
-the model hands it to the converted layers (``KWARGS_STOP``).
+token. Those tokens' values depend on the padding ids alone, so the model's pre-hook hands
+the padding's own ids back (``RingContext.padded_ids``, with ``input_ids`` passed by
+keyword) and a left-padded batch gives one process's result; called from ``inputs_embeds``
+it is refused on every rank (``_unpadded``). Right padding comes after every real token of
+its row, which none reads: exact. Packed rows start each document from an empty state.
+(Unlike RecurrentGemma's, whose padding positions hold undefined attention outputs and whose
+left-padded batches are refused.) Their models do not pass ``ring_context`` on to their
+blocks: a forward pre-hook on the model hands it to the converted layers (``KWARGS_STOP``).
 """
 
 from __future__ import annotations
@@ -40,7 +45,10 @@ def _unpadded(module, ctx, family: str) -> None:
     there): the model's pre-hook gives it the padding's own ids (``ctx.padded_ids``, with
     ``input_ids`` passed by keyword); without them, refused. Right padding comes after every
     real token: nothing real reads it."""
-    if ctx.left_padding is not None and not module.__dict__.get("_padding_restored", False):
+    from .state import bound_call
+
+    call = bound_call(module)
+    if ctx.left_padding is not None and not (call is not None and call.padding_restored):
         raise ValueError(
             f"{family} reads the padding tokens of a left-padded row (transformers does not "
             f"mask them), which ringattn.shard_batch replaces by the row's first real token: "

@@ -49,17 +49,13 @@ Families that need nothing are returned unchanged; families it cannot make exact
 from __future__ import annotations
 
 import inspect
-import weakref
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["BUILT_EAGER", "convert", "converted", "convertible", "global_router_loss"]
+from .state import MISSING, bind_context, bound_context, conversion, missing_error, record
 
-_CONVERTED: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-"""Configs of converted models, by id (configs define ``__eq__``, so they are unhashable)."""
-_GLOBAL_ROUTER: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-"""Configs of converted models whose router auxiliary loss is global."""
+__all__ = ["BUILT_EAGER", "convert", "converted", "convertible", "global_router_loss"]
 
 _REFERENCE_LOSS = ("transformers.models.mixtral.modeling_mixtral", "load_balancing_loss_func")
 """The router loss ``_global_router_loss`` computes globally. A family is converted only if
@@ -80,15 +76,18 @@ def _router_coef(model) -> str | None:
                 None)
 
 
-def converted(config) -> bool:
-    """Whether ``convert`` made a model with this config exact under ring attention."""
-    return config is not None and _CONVERTED.get(id(config)) is config
+def converted(model) -> bool:
+    """Whether ``convert`` ran on this model instance (its record is on the model; another
+    model built from the same config is not converted)."""
+    done = conversion(model)  # raises TypeError for a config
+    return bool(done and done.get("converted"))
 
 
-def global_router_loss(config) -> bool:
-    """Whether a converted model with this config computes its router auxiliary loss
-    globally (so ``output_router_logits=True`` is exact)."""
-    return config is not None and _GLOBAL_ROUTER.get(id(config)) is config
+def global_router_loss(model) -> bool:
+    """Whether this model instance computes its router auxiliary loss globally (``convert``
+    put the global router loss hook on it), so ``output_router_logits=True`` is exact."""
+    conversion(model)  # raises TypeError for a config
+    return any(hook is _router_hook for hook in model._forward_hooks.values())
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -261,7 +260,9 @@ def convertible(model_type) -> bool:
 
 
 def _ring_context(module):
-    ctx = module.__dict__.get("_ring_context")
+    ctx = bound_context(module)
+    if ctx is MISSING:
+        raise missing_error(module)
     if ctx is None:
         raise ValueError(
             f"{type(module).__name__} (converted by ringattn's convert) needs the batch's "
@@ -512,25 +513,19 @@ def _convert_own_attention(model) -> None:
     for module in found:
         module.__class__ = cls
     if model.config.model_type != "xglm":  # their blocks do not pass keyword arguments
-        model.__dict__["_ring_attentions"] = found
-        model.register_forward_pre_hook(_context_pre_hook, with_kwargs=True)
+        bind_context(model, found)
     if model.config.model_type in BUILT_EAGER:
         model.config._attn_implementation = NAME  # the mask function, check_attention
-
-
-def _context_pre_hook(model, args, kwargs):
-    """Hand the batch's ring_context to the converted attention modules (these families'
-    decoder layers do not pass keyword arguments on)."""
-    for module in model.__dict__["_ring_attentions"]:
-        module._ring_context = kwargs.get("ring_context")
-    return None
 
 
 def _relay_pre_hook(module, args, kwargs):
     """The ring_context the model was called with, for an attention module whose decoder
     layer dropped it."""
     if kwargs.get("ring_context") is None:
-        kwargs = {**kwargs, "ring_context": module.__dict__.get("_ring_context")}
+        ctx = bound_context(module)
+        if ctx is MISSING:
+            raise missing_error(module)
+        kwargs = {**kwargs, "ring_context": ctx}
     return args, kwargs
 
 
@@ -542,8 +537,7 @@ def _convert_relay(model) -> None:
         raise ValueError(f"{type(model).__name__} has no {name} to convert")
     for module in found:
         module.register_forward_pre_hook(_relay_pre_hook, with_kwargs=True)
-    model.__dict__["_ring_attentions"] = found
-    model.register_forward_pre_hook(_context_pre_hook, with_kwargs=True)
+    bind_context(model, found)
 
 
 def _convert_alibi(model) -> None:
@@ -566,8 +560,7 @@ def _convert_alibi(model) -> None:
             found.append(module)
     if not found:
         raise ValueError(f"{type(model).__name__} has no {base.__name__} to convert")
-    model.__dict__["_ring_attentions"] = tuple(found)
-    model.register_forward_pre_hook(_context_pre_hook, with_kwargs=True)
+    bind_context(model, found)
 
 
 def convert(model):
@@ -594,13 +587,17 @@ def convert(model):
     from .hybrid import CONVERTIBLE, convert_mixers
 
     config = getattr(model, "config", None)
-    if config is None:
+    if config is None or not isinstance(model, torch.nn.Module):
         raise TypeError(f"convert takes a transformers model, got {type(model).__name__}")
-    if converted(config):
+    if converted(model):
         return model
+    if getattr(model, "_ringattn_context_parallel", False):
+        raise ValueError(f"convert {type(model).__name__} before entering context_parallel: "
+                         f"the manager's hooks must see the converted model's")
     if getattr(config, "model_type", None) in CONVERTIBLE:  # hybrid: its sequence mixers
         convert_mixers(model)
-    problem = _config_problem(config, router=False)  # what convert does not make global
+    record(model)  # the model, on its own modules, for functions that see only those
+    problem = _config_problem(config, router=False, model=model)  # what convert leaves
     if problem is not None:
         raise ValueError(f"ring attention cannot run {type(model).__name__} exactly: {problem}")
     own = hasattr(model, "is_backend_compatible") and not model.is_backend_compatible()
@@ -615,7 +612,6 @@ def convert(model):
         raise ValueError(f"ringattn cannot make this router loss global: {problem}")
     if problem is None:  # also serves output_router_logits=True passed to forward later
         model.register_forward_hook(_router_hook, with_kwargs=True)
-        _GLOBAL_ROUTER[id(config)] = config
     _convert_temperature(model)
     if family in _ALIBI:
         _convert_alibi(model)
@@ -623,7 +619,7 @@ def convert(model):
         _convert_relay(model)
     elif family in _OWN_ATTENTION:
         _convert_own_attention(model)
-    _CONVERTED[id(config)] = config
+    record(model, converted=True)
     check_model(model)
     return model
 

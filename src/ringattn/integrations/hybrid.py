@@ -44,15 +44,13 @@ from __future__ import annotations
 
 import functools
 import sys
-import weakref
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CONVERTIBLE", "convert_mixers", "mixers_converted"]
+from .state import MISSING, bind_context, bound_call, conversion, current_call, missing_error, owner, record
 
-_CONVERTED: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-"""Configs of models whose every sequence mixer ``convert_mixers`` replaced, by id."""
+__all__ = ["CONVERTIBLE", "convert_mixers", "mixers_converted"]
 
 CONVERTIBLE = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "lfm2_moe",
                          "granitemoehybrid",
@@ -64,9 +62,19 @@ not declare ``_supports_attention_backend``, which ``check_model`` otherwise rea
 "computes attention itself"); the tests compare each with one process."""
 
 
-def mixers_converted(config) -> bool:
-    """Whether ``convert_mixers`` converted every sequence mixer of a model with ``config``."""
-    return config is not None and _CONVERTED.get(id(config)) is config
+def mixers_converted(model) -> bool:
+    """Whether every sequence mixer of this model instance runs ringattn.mixers: it holds
+    converted layers and none of transformers' own (read from its modules' classes, not
+    from its config, which other models may share)."""
+    if conversion(model) is None:  # raises TypeError for a config
+        return False
+    found = False
+    for module in model.modules():
+        if isinstance(module, _RingMixer):
+            found = True
+        elif type(module).__name__ in _LAYERS and type(module).__module__.startswith("transformers."):
+            return False
+    return found
 
 
 # -- the ring context and padding ------------------------------------------------------------
@@ -96,7 +104,12 @@ def _masked(hidden, keep):
 
 def _context(module, kwargs):
     """The ring context of this call, or None (one process); refuses what is not served."""
-    ctx = kwargs.get("ring_context", module.__dict__.get("_ring_context"))
+    ctx = kwargs.get("ring_context")
+    if ctx is None:  # layers whose callers drop it: the context of their model's forward
+        ctx = bound_call(module).context if bound_call(module) is not None else None
+    if ctx is MISSING or (ctx is None and getattr(owner(module), "_ringattn_context_parallel",
+                                                  False)):
+        raise missing_error(module)
     if ctx is None:
         return None
     cache = next((kwargs[k] for k in ("cache", "cache_params", "past_key_values")
@@ -410,7 +423,7 @@ def convert_mixers(model):
     if config is None or not isinstance(model, torch.nn.Module):
         raise TypeError(f"convert_mixers takes a transformers model, got {type(model).__name__}")
     family = getattr(config, "model_type", type(config).__name__)
-    if mixers_converted(config):
+    if mixers_converted(model):
         return model
     if family not in CONVERTIBLE:
         raise ValueError(f"convert_mixers does not serve {family}: " + (
@@ -430,35 +443,34 @@ def convert_mixers(model):
         raise ValueError(f"convert_mixers found {done} sequence-mixer layers in "
                          f"{type(model).__name__} but its config lists {expected} "
                          f"non-attention layers")
+    record(model, mixers=True)
     if family in _KWARGS_STOP:  # the CausalLM does not pass ring_context on to its layers
-        model.register_forward_pre_hook(_hand_context, with_kwargs=True)
-    _CONVERTED[id(config)] = config
+        mixers = [m for m in model.modules() if isinstance(m, _RingMixer)]
+        bind_context(model, mixers)
+        if any(getattr(m, "_reads_padding", False) for m in mixers) and not model.__dict__.get(
+                "_ringattn_padding_hook"):
+            model.register_forward_pre_hook(_restore_padding, with_kwargs=True)
+            model.__dict__["_ringattn_padding_hook"] = True
     return model
 
 
 _KWARGS_STOP = frozenset({"mamba2", "jamba", "mamba", "falcon_mamba"})
 """Families whose CausalLM or decoder layers do not pass their keyword arguments on to the
 mixers (Mamba2ForCausalLM calls its backbone with named arguments only; the Mamba blocks of
-Mamba, FalconMamba and Jamba call their mixer so): a forward pre-hook on
-the model hands each converted layer the call's ring_context. The layer keeps it until the
-next call of the model, so gradient checkpointing's recomputation in the backward sees it;
-interleaving two CP batches' forwards before their backwards is not served there."""
+Mamba, FalconMamba and Jamba call their mixer so): each converted layer gets the context of
+the model forward that runs it (``state.bind_context``: bound to that forward, also when
+gradient checkpointing recomputes the layer after other forwards)."""
 
 
-def _hand_context(model, args, kwargs):
+def _restore_padding(model, args, kwargs):
+    """Layers that read the padding positions (RWKV, xLSTM) get the padding's own ids back."""
     ctx = kwargs.get("ring_context")
-    mixers = [m for m in model.modules() if isinstance(m, _RingMixer)]
-    # layers that read the padding positions (RWKV, xLSTM) get the padding's own ids back
-    restore = (ctx is not None and getattr(ctx, "padded_ids", None) is not None
-               and kwargs.get("input_ids") is not None
-               and any(getattr(m, "_reads_padding", False) for m in mixers))
-    for module in mixers:
-        module._ring_context = ctx
-        module._padding_restored = restore
-    if restore:
-        kwargs["input_ids"] = ctx.padded_ids
-        return args, kwargs
-    return None
+    call = current_call(model)
+    if (ctx is None or getattr(ctx, "padded_ids", None) is None
+            or kwargs.get("input_ids") is None or call is None):
+        return None
+    call.padding_restored = True
+    return args, {**kwargs, "input_ids": ctx.padded_ids}
 
 
 # -- more families, one module per kind of layer ----------------------------------------------

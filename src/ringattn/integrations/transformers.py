@@ -54,6 +54,7 @@ from ..batch import shard_batch
 from ..layouts import DEFAULT_LAYOUT
 from ..masks import and_keys, chunked_key
 from ..validate import caller_error
+from .state import owner, running_model
 
 __all__ = ["NAME", "ModelMask", "check_attention", "check_model", "prepare_batch", "register",
            "ring_attention_forward"]
@@ -92,16 +93,17 @@ _SEQUENCE_MIXERS = frozenset({
 """Families with non-attention sequence layers, for configs that list no layer types."""
 
 
-def _config_problem(config, router: bool = True, mixers: bool = True) -> str | None:
+def _config_problem(config, router: bool = True, mixers: bool = True, model=None) -> str | None:
     """Why ring attention cannot give this model's exact result, or None (``router``,
     ``mixers``: whether an unconverted router auxiliary loss, and unconverted sequence
-    mixers of a family ``convert`` serves, count)."""
+    mixers of a family ``convert`` serves, count). What ``convert`` did is read from
+    ``model``, the instance (None: a model nobody converted), never from the config."""
     from .hybrid import _WHY_NOT  # families convert_mixers refuses, and why
 
     name = getattr(config, "model_type", type(config).__name__)
     convert = (f" (convert it first: ringattn.integrations.transformers.convert(model))"
                if name in CONVERTIBLE else f"; and {_WHY_NOT[name]}" if name in _WHY_NOT else "")
-    done = mixers_converted(config) or (not mixers and name in CONVERTIBLE)
+    done = (model is not None and mixers_converted(model)) or (not mixers and name in CONVERTIBLE)
     if name in _TOP_K_KEYS:
         return (f"{name}'s indexer keeps each query's top {getattr(config, 'index_topk', 'k')} "
                 f"keys, scored against every key of the sequence (sparse attention): a key set "
@@ -121,7 +123,8 @@ def _config_problem(config, router: bool = True, mixers: bool = True) -> str | N
     if name in _SEQUENCE_MIXERS and not done:
         return (f"{name} has sequence layers other than attention (state-space, linear "
                 f"attention or convolution), which would see only this rank's shard{convert}")
-    if router and getattr(config, "output_router_logits", False) and not global_router_loss(config):
+    if (router and getattr(config, "output_router_logits", False)
+            and not (model is not None and global_router_loss(model))):
         return (f"{name} adds a router auxiliary loss (output_router_logits=True), which each "
                 f"rank would normalise over its own tokens; convert the model "
                 f"(ringattn.integrations.transformers.convert) or set output_router_logits=False")
@@ -175,13 +178,13 @@ def check_model(model, config=None) -> None:
         raise ValueError(f"ring attention cannot run {cls.__name__} exactly: {reason}")
     if (hasattr(cls, "is_backend_compatible") and not cls.is_backend_compatible()
             and family not in CONVERTIBLE and not (
-                convertible(family) if isinstance(model, type) else converted(config))):
+                convertible(family) if isinstance(model, type) else converted(model))):
         raise ValueError(_computes_attention_itself(cls.__name__, config) + (
             "; convert the model first (ringattn.integrations.transformers.convert)"
             if convertible(family) else ""))
     built = not isinstance(model, type)
     problem = None if config is None or isinstance(config, property) else _config_problem(
-        config, router=built, mixers=built)
+        config, router=built, mixers=built, model=model if built else None)
     if problem is not None:
         raise ValueError(f"ring attention cannot run {cls.__name__} exactly: {problem}")
 
@@ -241,14 +244,46 @@ def prepare_batch(model, batch: dict, *, group=None, layout: str = DEFAULT_LAYOU
         ValueError: from ``check_attention`` (the model's attention is not ring
             attention), ``check_model`` or ``shard_batch``.
     """
-    check_attention(model)
-    check_model(model)
+    _agree_on_model(model, group)
     keep = batch.get("attention_mask")
     family = getattr(getattr(model, "config", None), "model_type", None)
     if family in POSITIONS_FROM_MASK and keep is not None and batch.get("position_ids") is None:
         keep = keep.long()
         batch = {**batch, "position_ids": keep.cumsum(1) * keep - 1}
     return shard_batch(batch, group=group, layout=layout, **kwargs)
+
+
+def _model_digest(model) -> int:
+    """What the ranks' models must agree on: class, family and what ``convert`` did to
+    this instance (its converted layers' classes and its global router loss)."""
+    import zlib
+
+    from .state import conversion
+
+    kinds = sorted({type(m).__name__ for m in model.modules()
+                    if type(m).__module__.startswith("ringattn.")})
+    said = (type(model).__qualname__, getattr(getattr(model, "config", None), "model_type", None),
+            sorted((conversion(model) or {}).items()), kinds, global_router_loss(model),
+            getattr(getattr(model, "config", None), "_attn_implementation", None))
+    return zlib.crc32(repr(said).encode()) & 0x7FFFFFFF
+
+
+def _agree_on_model(model, group) -> None:
+    """``check_attention`` and ``check_model`` on this rank, then one small exchange, so a
+    rank whose model is refused (or converted otherwise than its peers') makes every rank
+    raise the same error before anything is sharded."""
+    from ..comm import agree, resolve_group
+
+    error, digest = None, -1
+    try:
+        check_attention(model)
+        check_model(model)
+        digest = _model_digest(model)
+    except (TypeError, ValueError) as exc:
+        error = exc
+    agree(resolve_group(group), {"the model (class, conversion)": digest}, error,
+          describe=lambda name, value: f"model digest {value:#010x}",
+          what="prepare_batch's model check")
 
 
 @dataclass(frozen=True)
@@ -315,12 +350,13 @@ def _model_mask(*, mask_function=None, local_size=None, config=None, attention_m
             this one: refused here, before it uses it).
     """
     family = str(getattr(config, "model_type", None) or "the model")
-    problem = None if config is None else _config_problem(config)
+    model = running_model(config)  # the converted model whose forward asks, if any
+    problem = None if config is None else _config_problem(config, model=model)
     if problem is not None:
         raise ValueError(f"ring attention cannot run {family} exactly: {problem}")
     base = _base_model_class(config)
     if (base is not None and not base.is_backend_compatible() and family not in CONVERTIBLE
-            and not converted(config)):
+            and not (model is not None and converted(model))):
         raise ValueError(_computes_attention_itself(f"{family} ({base.__name__})"))
     bidirectional = allow_is_bidirectional_skip is not None
     if local_size is None:
@@ -337,7 +373,7 @@ def _model_mask(*, mask_function=None, local_size=None, config=None, attention_m
     padded = attention_mask is not None and not bool(attention_mask.all())
     return ModelMask(kind, local_size, custom=bool(use_vmap) or _united(mask_function),
                      padded=padded, family=family,
-                     converted=converted(config))
+                     converted=model is not None and converted(model))
 
 
 def _united(mask_function, depth: int = 0) -> bool:
@@ -415,7 +451,9 @@ def _check_call(module, attention_mask, dropout, sliding_window, is_causal, ring
                 output_attentions, head_mask, kwargs):
     """This rank's refusals of one attention call; (causal, window, mask) otherwise."""
     config = getattr(module, "config", None)
-    if kwargs.pop("output_router_logits", None) and not global_router_loss(config):
+    model = owner(module)  # the converted model this module belongs to, if any
+    if kwargs.pop("output_router_logits", None) and not (
+            model is not None and global_router_loss(model)):
         raise ValueError("output_router_logits=True: each rank would normalise the router "
                          "auxiliary loss over its own tokens; convert the model "
                          "(ringattn.integrations.transformers.convert) or pass "
@@ -428,7 +466,7 @@ def _check_call(module, attention_mask, dropout, sliding_window, is_causal, ring
         raise ValueError(f"ring attention has no attention dropout, got dropout={dropout}")
     if output_attentions or head_mask is not None:
         raise TypeError("ring attention returns no attention weights and takes no head_mask")
-    problem = _config_problem(config)
+    problem = _config_problem(config, model=model)
     if problem is not None:
         raise ValueError(f"ring attention cannot run this model exactly: {problem}")
     family = getattr(config, "model_type", None)
