@@ -22,12 +22,19 @@ family; the price is that the local scans' intermediates are kept, as in one pro
 
 from __future__ import annotations
 
+import contextvars
+import functools
+import hashlib
+import inspect
+import math
+import numbers
+import struct
 import zlib
 
 import torch
 import torch.distributed as dist
 
-from ..comm import agree, all_gather_single, caller_site, group_members, reduce_scatter_single, resolve_group, site_digest
+from ..comm import ROW_INTS, agree, all_gather_single, caller_site, group_members, reduce_scatter_single, resolve_group, site_digest
 from ..layouts import DEFAULT_LAYOUT, LAYOUT_NAMES, SHARD_TAG, check_origin, check_tag, get_layout
 from ..masks import check_cu_seqlens
 from ..validate import describe_field
@@ -38,6 +45,275 @@ __all__ = ["causal_conv1d", "linear_recurrence"]
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _KINDS = ("diagonal", "matrix")
 _ACTIVATIONS = (None, "silu", "swish")
+
+
+# ------------------------------------------------------------ every argument is agreed
+
+_ELSEWHERE = frozenset({"group", "layout", "seqlen", "cu_seqlens", "error"})
+"""Arguments the agreement does not digest as given: the group (the one it runs on), the
+layout, S and documents (``_setup`` agrees on their resolved values, so ``seqlen=None`` and
+the S it stands for agree), and ``linear_recurrence``'s ``error`` (this rank's own failure,
+which the agreement raises on every rank by its flag)."""
+
+_SETUP_FIELDS = ("batch", "local_len", "seqlen", "layout", "cu_seqlens", "dtype", "device",
+                 "needs_grad", "caller")
+_MAX_EXTRA = 2  # the most fields a function's own ``extra_check`` adds
+
+# One int64 per argument. A float is its IEEE-754 bits (every NaN as the one quiet NaN), so
+# equal floats, and only they, agree, and every rank can print what each rank passed. Other
+# values are positive quiet-NaN bit patterns that no float takes here: exponent all ones, a
+# tag in bits 48-51 (neither 0, infinity, nor 8, the canonical NaN) and a 48-bit payload:
+# the value itself where it fits (None, a bool, a small int, a short string, a tensor's
+# dtype, requires_grad and small shape), else a stable digest (blake2b) of a canonical text.
+_NAN_BITS = 0x7FF8000000000000
+_EXP_BITS = 0x7FF0000000000000
+_PAYLOAD = (1 << 48) - 1
+_NONE, _BOOL, _INT, _BYTES, _WORD, _SEQ, _TENSOR, _CALLABLE, _BIG, _STR, _OTHER, _DTYPE = (
+    1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13)
+_WORD_CHARS = "abcdefghijklmnopqrstuvwxyz_-. /"  # 5 bits a character (0: none), 9 of them
+_TENSOR_DTYPES = (None, torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                  torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+                  torch.complex64, torch.complex128)
+
+
+def _digest(text: str, bits: int = 48) -> int:
+    """A stable digest (the same in every process, unlike ``hash``)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(),
+                          "little") & ((1 << bits) - 1)
+
+
+def _callable_name(f) -> str:
+    """What names a callable alike on every rank of one program (never its address)."""
+    if isinstance(f, functools.partial):
+        return (f"partial({_callable_name(f.func)}, {_canonical(f.args, False)}, "
+                f"{_canonical(f.keywords, False)})")
+    qualname = getattr(f, "__qualname__", None)
+    if isinstance(qualname, str):
+        owner = getattr(f, "__self__", None)
+        bound = "" if owner is None or inspect.ismodule(owner) else \
+            f" bound to an instance of {type(owner).__module__}.{type(owner).__qualname__}"
+        return f"{getattr(f, '__module__', None) or ''}.{qualname}{bound}"
+    return f"an instance of {type(f).__module__}.{type(f).__qualname__}"
+
+
+def _tensor_text(t: torch.Tensor, sharded: bool) -> str:
+    shape = ["S_local" if sharded and i == 1 else str(d) for i, d in enumerate(t.shape)]
+    grad = ", requires_grad" if t.requires_grad and torch.is_grad_enabled() else ""
+    return f"tensor({t.dtype}, [{', '.join(shape)}]{grad})"
+
+
+def _canonical(v, sharded: bool) -> str:
+    """A text equal on two ranks exactly when ``v`` is the same argument there: values by
+    their exact repr, tensors by identity (dtype, shape with a shard's sequence dim left
+    out, requires_grad), callables by qualified name."""
+    if v is None or isinstance(v, (bool, str, bytes)):
+        return repr(v)
+    if isinstance(v, numbers.Integral):
+        return f"int {int(v)}"
+    if isinstance(v, numbers.Real):
+        f = float(v)
+        return "float nan" if math.isnan(f) else f"float {f!r}"
+    if isinstance(v, torch.Tensor):
+        return _tensor_text(v, sharded)
+    if isinstance(v, (tuple, list)):
+        return "(" + ", ".join(_canonical(x, sharded) for x in v) + ")"
+    if isinstance(v, dict):
+        return "{" + ", ".join(sorted(f"{_canonical(k, False)}: {_canonical(x, sharded)}"
+                                      for k, x in v.items())) + "}"
+    if isinstance(v, torch.dtype):
+        return str(v)
+    if isinstance(v, torch.device):
+        return f"device {v.type}"  # the index is each rank's own
+    if callable(v):
+        return "callable " + _callable_name(v)
+    return f"an instance of {type(v).__module__}.{type(v).__qualname__}"
+
+
+def _tagged(tag: int, payload: int) -> int:
+    return _EXP_BITS | tag << 48 | (payload & _PAYLOAD)
+
+
+def _encode(v, sharded: bool) -> int:
+    """The agreement's int64 for one argument (``sharded``: a shard, or shards, whose dim 1
+    is the sequence); ``_describe`` reads it back."""
+    if v is None:
+        return _tagged(_NONE, 0)
+    if isinstance(v, bool):
+        return _tagged(_BOOL, int(v))
+    if isinstance(v, numbers.Integral):
+        v = int(v)
+        return _tagged(_INT, v) if -(1 << 47) <= v < 1 << 47 else _tagged(_BIG, _digest(str(v)))
+    if isinstance(v, numbers.Real):
+        f = float(v)
+        return _NAN_BITS if math.isnan(f) else struct.unpack("<q", struct.pack("<d", f))[0]
+    if isinstance(v, str):
+        if 0 < len(v) <= 9 and all(c in _WORD_CHARS for c in v):
+            code = 0
+            for c in v:
+                code = code << 5 | (_WORD_CHARS.index(c) + 1)
+            return _tagged(_WORD, code)
+        raw = v.encode()
+        if len(raw) <= 6 and b"\0" not in raw:
+            return _tagged(_BYTES, int.from_bytes(raw, "big"))
+        return _tagged(_STR, _digest(repr(v)))
+    if isinstance(v, torch.Tensor):
+        code = _TENSOR_DTYPES.index(v.dtype) if v.dtype in _TENSOR_DTYPES else 0
+        grad = int(v.requires_grad and torch.is_grad_enabled())
+        dims = [0 if sharded and i == 1 else int(d) for i, d in enumerate(v.shape)]
+        head = code << 44 | grad << 43 | min(len(dims), 7) << 40
+        width = 39 // max(len(dims), 1)
+        if len(dims) < 7 and all(d < 1 << width for d in dims):
+            packed = 0
+            for d in dims:
+                packed = packed << width | d
+            return _tagged(_TENSOR, head | 1 << 39 | packed)
+        return _tagged(_TENSOR, head | _digest(_tensor_text(v, sharded), 39))
+    if isinstance(v, torch.dtype) and v in _TENSOR_DTYPES:
+        return _tagged(_DTYPE, _TENSOR_DTYPES.index(v))
+    if isinstance(v, (tuple, list)):
+        return _tagged(_SEQ, min(len(v), 255) << 40 | _digest(_canonical(v, sharded), 40))
+    if callable(v):
+        return _tagged(_CALLABLE, _digest(_canonical(v, sharded)))
+    return _tagged(_OTHER, _digest(_canonical(v, sharded)))
+
+
+def _describe(code: int, sharded: bool) -> str:
+    """What a rank passed, from its ``_encode``: the same words on every rank."""
+    if code == -1:
+        return "nothing (its input was invalid)"
+    tag = code >> 48 & 0xF
+    if code < 0 or code >> 52 != 0x7FF or tag in (0, 8):  # a float's bits
+        return repr(struct.unpack("<d", struct.pack("<q", code))[0])
+    p = code & _PAYLOAD
+    if tag == _NONE:
+        return "None"
+    if tag == _BOOL:
+        return repr(bool(p))
+    if tag == _INT:
+        return str(p - (1 << 48) if p >> 47 else p)
+    if tag == _WORD:
+        chars = []
+        while p:
+            chars.append(_WORD_CHARS[(p & 31) - 1])
+            p >>= 5
+        return repr("".join(reversed(chars)))
+    if tag == _BYTES:
+        return repr(p.to_bytes(6, "big").lstrip(b"\0").decode(errors="replace"))
+    if tag == _STR:
+        return f"a longer str (digest {p})"
+    if tag == _BIG:
+        return f"a large int (digest {p})"
+    if tag == _SEQ:
+        return f"a sequence of {p >> 40} items (digest {p & ((1 << 40) - 1)})"
+    if tag == _CALLABLE:
+        return f"a callable (digest {p})"
+    if tag == _DTYPE:
+        return str(_TENSOR_DTYPES[p]) if 0 < p < len(_TENSOR_DTYPES) else f"dtype {p}"
+    if tag == _TENSOR:
+        dtype = _TENSOR_DTYPES[p >> 44] if p >> 44 < len(_TENSOR_DTYPES) else None
+        what = f"a {dtype} tensor" if dtype is not None else "a tensor of another dtype"
+        grad = " requiring grad" if p >> 43 & 1 else ""
+        ndim = p >> 40 & 7
+        if p >> 39 & 1:
+            width = 39 // max(ndim, 1)
+            dims = [p >> width * (ndim - 1 - i) & ((1 << width) - 1) for i in range(ndim)]
+            shape = ", ".join("S_local" if sharded and i == 1 else str(d)
+                              for i, d in enumerate(dims))
+            return f"{what} [{shape}]{grad}"
+        return (f"{what} of {ndim if ndim < 7 else '7 or more'} dims{grad} "
+                f"(digest {p & ((1 << 39) - 1)})")
+    return f"a value of another kind (digest {p})"
+
+
+def _tensors_in(v):
+    if isinstance(v, torch.Tensor):
+        yield v
+    elif isinstance(v, (tuple, list)):
+        for x in v:
+            yield from _tensors_in(x)
+    elif isinstance(v, dict):
+        for x in v.values():
+            yield from _tensors_in(x)
+
+
+class _Call:
+    """One public call's arguments as the agreement's fields, for the ``_setup`` it makes."""
+
+    __slots__ = ("fields", "sharded", "taken")
+
+    def __init__(self, fields: dict, sharded: frozenset):
+        self.fields, self.sharded, self.taken = fields, sharded, False
+
+
+_CALL: contextvars.ContextVar = contextvars.ContextVar("ringattn_mixers_call", default=None)
+
+
+class _Hold(torch.autograd.Function):
+    """``y`` (a copy) with ``held`` in its graph: their gradient is zeros where the call
+    did not otherwise read them (a rank with no token), so every tensor argument that
+    requires grad gets a gradient on every rank, never None."""
+
+    @staticmethod
+    def forward(ctx, y, *held):
+        ctx.held = [(t.shape, t.dtype, t.device) for t in held]
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, *(torch.zeros(shape, dtype=dtype, device=device)
+                        for shape, dtype, device in ctx.held))
+
+
+def agreed(*, sharded: tuple[str, ...] = ()):
+    """Make a public mixer function agree on its whole call, by construction.
+
+    The wrapper binds the call to the function's own signature (defaults applied: an
+    argument given positionally or by keyword, or left at its default, is the same
+    argument) and hands the call's ``_setup`` one field per parameter (``_encode``: a
+    float's exact bits, a small value itself, a tensor's dtype, shape and requires_grad
+    with the sequence dim of the ``sharded`` arguments left out, a callable's qualified
+    name, else a digest), except the few ``_ELSEWHERE`` agrees on otherwise: ranks that
+    differ in any of them raise one ValueError naming it, on every rank, before any
+    exchange. A public function called inside another before its ``_setup`` (e.g.
+    ``gated_delta_rule``'s ``linear_recurrence``) is covered by the outer call's fields.
+
+    Its output then holds every tensor argument that requires grad in its graph
+    (``_Hold``), so a rank with no token gets zero gradients, not None.
+    """
+    def wrap(fn):
+        sig = inspect.signature(fn)
+        unknown = set(sharded) - set(sig.parameters)
+        if unknown:
+            raise TypeError(f"{fn.__name__} has no parameters {sorted(unknown)}")
+        names = [n for n in sig.parameters if n not in _ELSEWHERE]
+        clash = set(names) & set(_SETUP_FIELDS)
+        if clash or len(names) + len(_SETUP_FIELDS) + _MAX_EXTRA + 3 > ROW_INTS:
+            raise TypeError(f"{fn.__name__}: its arguments do not fit the agreement's row "
+                            f"(ROW_INTS={ROW_INTS}) or clash with its fields {sorted(clash)}")
+        shards = frozenset(sharded)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            outer = _CALL.get()
+            if outer is not None and not outer.taken:  # inside another public call
+                return fn(*args, **kwargs)
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            fields = {n: _encode(bound.arguments[n], n in shards) for n in names}
+            token = _CALL.set(_Call(fields, shards))
+            try:
+                y = fn(*args, **kwargs)
+            finally:
+                _CALL.reset(token)
+            held = {id(t): t for n, v in bound.arguments.items() if n != "error"
+                    for t in _tensors_in(v) if t.requires_grad}
+            if held and torch.is_grad_enabled() and isinstance(y, torch.Tensor):
+                y = _Hold.apply(y, *held.values())
+            return y
+
+        call.__ringattn_agreed__ = True
+        return call
+    return wrap
 
 
 class _GatherRows(torch.autograd.Function):
@@ -94,8 +370,15 @@ def _setup(what: str, tensors: dict, group, layout, seqlen, cu_seqlens, extra: d
     """
     pg = resolve_group(group)
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
-    fields = dict.fromkeys(("batch", "local_len", "seqlen", "layout", "cu_seqlens", "dtype",
-                            "device", "needs_grad", "caller", *extra), -1)
+    call = _CALL.get()  # the public call's arguments (``agreed``), for this one setup
+    if call is not None and call.taken:
+        call = None
+    if call is not None:
+        call.taken = True
+    arguments = {} if call is None else call.fields
+    if set(extra) & (set(arguments) | set(_SETUP_FIELDS)) or len(extra) > _MAX_EXTRA:
+        raise RuntimeError(f"{what}: its own fields {list(extra)} clash with its arguments'")
+    fields = dict.fromkeys((*_SETUP_FIELDS, *arguments, *extra), -1)
     error, plan = None, None
     site = caller_site()
     try:
@@ -164,11 +447,13 @@ def _setup(what: str, tensors: dict, group, layout, seqlen, cu_seqlens, extra: d
             needs_grad=int(torch.is_grad_enabled() and any(
                 isinstance(t, torch.Tensor) and t.requires_grad
                 for t in (*tensors.values(), *params))),
-            caller=site_digest(site), **extra_values)
+            caller=site_digest(site), **arguments, **extra_values)
     except (TypeError, ValueError) as exc:  # raised on every rank by agree()
         error = exc
 
     def describe(name, value):
+        if name in arguments:
+            return _describe(value, name in call.sharded)
         if name == "device":
             return ("cpu", "cuda")[value] if value >= 0 else describe_field(name, value)
         return describe_field(name, value)
@@ -181,6 +466,8 @@ def _assemble(plan: Plan, parts: dict, like: torch.Tensor, tail_shape, dtype) ->
     """This rank's output [B, L, *tail_shape]: each chunk's pieces at their slots, zeros on
     padding slots."""
     b, local = like.shape[0], int(plan.real.numel())
+    if local == 0:
+        return like.new_zeros((b, 0, *tail_shape), dtype=dtype)
     out, at = [], 0
     for start in sorted(parts):
         if start > at:
@@ -192,6 +479,7 @@ def _assemble(plan: Plan, parts: dict, like: torch.Tensor, tail_shape, dtype) ->
     return torch.cat(out, dim=1)
 
 
+@agreed(sharded=("inputs",))
 def linear_recurrence(scan, transition, inputs, *, state_shape, map_shape, out_shape,
                       kind: str = "diagonal", state_dtype=None, group=None,
                       layout: str = DEFAULT_LAYOUT, seqlen: int | None = None, cu_seqlens=None,
@@ -258,11 +546,10 @@ def linear_recurrence(scan, transition, inputs, *, state_shape, map_shape, out_s
         if not callable(scan) or not callable(transition):
             raise TypeError(f"{name}: scan and transition must be callables")
         shapes = tuple(tuple(int(d) for d in s) for s in (state_shape, map_shape, out_shape))
-        return {"kind": _KINDS.index(kind),
-                "shapes": zlib.crc32(repr(shapes).encode()) & 0x7FFFFFFF}
+        return {"shapes": zlib.crc32(repr(shapes).encode()) & 0x7FFFFFFF}
 
     pg, plan, needs_grad = _setup(name, tensors, group, layout, seqlen, cu_seqlens,
-                                  ("kind", "shapes"), check, params, error)
+                                  ("shapes",), check, params, error)
     x0 = inputs[0]
     sdtype = state_dtype or (torch.float32 if x0.dtype in (torch.bfloat16, torch.float16) else x0.dtype)
     state_shape, map_shape = tuple(state_shape), tuple(map_shape)
@@ -328,6 +615,7 @@ def _numel(shape) -> int:
     return n
 
 
+@agreed(sharded=("x",))
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   activation: str | None = None, group=None, layout: str = DEFAULT_LAYOUT,
                   seqlen: int | None = None, cu_seqlens=None) -> torch.Tensor:
@@ -367,14 +655,13 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if activation not in _ACTIVATIONS:
             raise ValueError(f"causal_conv1d: activation must be one of {list(_ACTIVATIONS)}, "
                              f"got {activation!r}")
-        return {"kernel_size": w.shape[1], "channels": x.shape[2],
-                "activation": _ACTIVATIONS.index(activation)}
+        return {"kernel_size": w.shape[1], "channels": x.shape[2]}
 
     params = {"weight": weight} if isinstance(weight, torch.Tensor) else {}
     if isinstance(bias, torch.Tensor):
         params["bias"] = bias
     pg, plan, needs_grad = _setup("causal_conv1d", {"x": x}, group, layout, seqlen, cu_seqlens,
-                                  ("kernel_size", "channels", "activation"), check,
+                                  ("kernel_size", "channels"), check,
                                   tuple(params.values()))
     w = weight.squeeze(1) if weight.dim() == 3 else weight
     k, width = w.shape[1], w.shape[1] - 1

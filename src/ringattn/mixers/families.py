@@ -13,11 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from ..layouts import DEFAULT_LAYOUT
-from .core import linear_recurrence
+from .core import agreed, linear_recurrence
 
 __all__ = ["diagonal_recurrence", "gated_delta_rule", "mamba2_ssd"]
 
 
+@agreed(sharded=("a", "x"))
 def diagonal_recurrence(a: torch.Tensor, x: torch.Tensor, *, group=None,
                         layout: str = DEFAULT_LAYOUT, seqlen: int | None = None,
                         cu_seqlens=None) -> torch.Tensor:
@@ -122,6 +123,7 @@ def _gdn_transition(k, g, beta, scan=None):
     return _gdn_entry_scan(scan, torch.zeros_like(k), k, g, beta)[1]
 
 
+@agreed(sharded=("query", "key", "value", "g", "beta"))
 def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      g: torch.Tensor, beta: torch.Tensor, *, scale: float | None = None,
                      use_qk_l2norm: bool = False, kernel=None, group=None,
@@ -237,6 +239,7 @@ def _ssd_scan(x, dt, bm, cm, a, d, state):
     return torch.stack(out, dim=1), s
 
 
+@agreed(sharded=("hidden_states", "dt", "B", "C"))
 def mamba2_ssd(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                C: torch.Tensor, *, D: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                dt_softplus: bool = False, dt_limit: tuple[float, float] = (0.0, float("inf")),

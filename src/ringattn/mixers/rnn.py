@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..layouts import DEFAULT_LAYOUT, SHARD_TAG
-from .core import linear_recurrence
+from .core import agreed, linear_recurrence
 from .families import _refuse, _tensors
 
 __all__ = ["mlstm", "wkv"]
@@ -70,6 +70,7 @@ def _wkv_scan(w, u, k, v, state):
     return torch.stack(out, dim=1), torch.stack([num, den, scale], dim=-1)
 
 
+@agreed(sharded=("key", "value"))
 def wkv(time_decay: torch.Tensor, time_first: torch.Tensor, key: torch.Tensor,
         value: torch.Tensor, *, kernel=None, group=None, layout: str = DEFAULT_LAYOUT,
         seqlen: int | None = None, cu_seqlens=None) -> torch.Tensor:
@@ -181,6 +182,7 @@ def _starts(like, group, layout, seqlen, cu_seqlens):
     return first.to(like.device, like.dtype)[None].expand(like.shape[0], -1)
 
 
+@agreed(sharded=("query", "key", "value", "igate", "fgate"))
 def mlstm(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, igate: torch.Tensor,
           fgate: torch.Tensor, *, eps: float = 1e-6, kernel=None, group=None,
           layout: str = DEFAULT_LAYOUT, seqlen: int | None = None,
