@@ -84,18 +84,35 @@ def check_aux_layers(layers, num_layers: int | None = None) -> tuple[int, ...]:
     return ids
 
 
+_BLOCK_LISTS = {"rwkv": ("rwkv", "blocks"), "xlstm": ("backbone", "blocks")}
+"""Families (model_type) whose decoder layers are not ``model.layers``: (owner, list). Their
+blocks return ``(hidden, state, ...)`` with the block's raw output first, before the final
+norm, as the captured layers' outputs must be. (RWKV in eval mode also halves the residual
+after every ``rescale_every``-th block, outside the block: the capture keeps the block's own
+output, as for every other family.)"""
+
+
 def decoder_layers(target) -> nn.ModuleList:
-    """The target's decoder layers (``target.model.layers`` for Llama-like models).
+    """The target's decoder layers (``target.model.layers`` for Llama-like models;
+    ``rwkv.blocks`` for RWKV, ``backbone.blocks`` for xLSTM).
 
     Raises:
         ValueError: a model without such a list.
     """
-    for owner in (getattr(target, "model", None), getattr(target, "get_decoder", lambda: None)()):
-        layers = getattr(owner, "layers", None)
-        if isinstance(layers, nn.ModuleList):
-            return layers
-    raise ValueError(f"{type(target).__name__} has no decoder-layer list (model.layers): the "
-                     f"auxiliary hidden states cannot be captured")
+    owners = [getattr(target, "model", None), getattr(target, "get_decoder", lambda: None)()]
+    names = ["layers"]
+    family = getattr(getattr(target, "config", None), "model_type", None)
+    if family in _BLOCK_LISTS:
+        owners.insert(0, getattr(target, _BLOCK_LISTS[family][0], None))
+        names.insert(0, _BLOCK_LISTS[family][1])
+    for owner in owners:
+        for name in names:
+            layers = getattr(owner, name, None)
+            if isinstance(layers, nn.ModuleList):
+                return layers
+    raise ValueError(f"{type(target).__name__} has no decoder-layer list (model.layers; "
+                     f"{', '.join(f'{o}.{n} for {f}' for f, (o, n) in _BLOCK_LISTS.items())}): "
+                     f"the auxiliary hidden states cannot be captured")
 
 
 def capture_aux_hidden(target, layers, **forward_kwargs):

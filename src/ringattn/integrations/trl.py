@@ -27,6 +27,18 @@ gradients and every logged metric equal TRL's trainer in ONE process on the same
   are sharded per document; ring attention keeps the documents apart on any device (no
   flash-attention kernel is needed). Completion-only (tested) and assistant-only losses are
   labels of -100, which the sharding carries.
+  MoE router auxiliary loss (TRL turns it on for MoE models: ``aux_loss_enabled``, the
+  config's or ``SFTConfig.router_aux_loss_coef``): served for a model converted with
+  ``ringattn.integrations.transformers.convert``, whose router loss is global
+  (``global_router_loss(model)``: Mixtral's load-balancing loss over the real tokens of
+  every rank, its probabilities' gradient all-reduced). TRL's fused head drops the router
+  logits from its output, so the trainer hands the backbone's to the converted model's hook
+  for that call. Each rank's loss carries ``1 / W`` of TRL's ``coef * aux_loss`` (over the
+  accumulation steps, as TRL divides it), so the ranks' losses add up to the one-process
+  loss and the gradients to its gradients; ``aux_loss`` is logged with the global value
+  (tested: Qwen3-MoE padded with gradient accumulation, Mixtral packed,
+  tests/integration/test_sft_router.py). An unconverted MoE model is refused ("convert the
+  model first").
 * ``RingDPOTrainer``: DPO's loss needs each sequence's log-probability, a SUM over its
   tokens, before any non-linearity. Every rank runs policy and reference on its shards,
   and the per-token outputs of the fused head ([2B, L]: log-probabilities, entropy, mean
@@ -45,7 +57,8 @@ TRL's configs default to ``bf16=True`` (autocast), on CPU too: pass ``bf16=False
 Refused with a ValueError (on every rank, before training) where the result could not be
 the one-process one: ``cp_size`` below the world size (dp x cp is not wired for TRL's
 metrics), ``neftune_noise_alpha`` (each rank would draw other noise), ``use_liger_kernel``,
-MoE router auxiliary losses (a per-shard mean), vision datasets (``pixel_values`` are not
+MoE router auxiliary losses of an unconverted model (SFT) and in DPO (a per-shard mean; its
+gathered outputs carry no router logits), vision datasets (``pixel_values`` are not
 sharded), and for DPO ``precompute_ref_log_probs`` (TRL runs it on rank-split batches in
 ``__init__``) and a missing ``ref_model`` (TRL would load one by name, or call the policy
 with its adapter disabled, outside the sharding); besides what ``RingTrainerMixin`` refuses.
@@ -55,6 +68,7 @@ with its adapter disabled, outside the sharding); besides what ``RingTrainerMixi
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -65,7 +79,7 @@ from trl.trainer.utils import FusedCausalLMOutput
 from ..batch import shard_batch
 from ..sharding import unshard
 from .hf_trainer import RingTrainerMixin
-from .transformers import check_attention, check_model
+from .transformers import check_attention, check_model, global_router_loss
 
 __all__ = ["RingSFTTrainer", "RingDPOTrainer"]
 
@@ -93,6 +107,42 @@ def _refuse_args(name: str, args) -> None:
                          "not checked against ring attention's sharding")
 
 
+def _unwrapped(model):
+    """The model instance ``convert`` hooked: under DDP/FSDP wrappers (``.module``) and a PEFT
+    model's base model."""
+    from transformers.trainer_utils import unwrap_peft_model
+
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return unwrap_peft_model(model)
+
+
+def _router_loss_problem(name: str, model) -> str | None:
+    """Why ``model``'s router auxiliary loss, which TRL turns on, cannot be exact under CP,
+    or None (``convert`` made it global)."""
+    model = _unwrapped(model)
+    if global_router_loss(model):
+        return None
+    return (f"{name}: TRL adds {type(model).__name__}'s MoE router auxiliary loss "
+            "(router_aux_loss_coef != 0), which each rank would average over its own shard; "
+            "convert the model first (model = ringattn.integrations.transformers.convert(model), "
+            "which makes the router loss global), or turn the loss off with "
+            "SFTConfig(router_aux_loss_coef=0.0)")
+
+
+def _aux_loss_asked(model, args) -> bool:
+    """Whether TRL's ``SFTTrainer`` will enable the router auxiliary loss for ``model`` (as
+    its ``__init__`` decides: a config with ``output_router_logits`` and a coefficient, the
+    config's unless ``args`` sets one, that is not 0)."""
+    config = getattr(_unwrapped(model), "config", None)
+    if config is None:
+        return False
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    coef = getattr(args, "router_aux_loss_coef", None)
+    coef = getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef
+    return hasattr(text, "output_router_logits") and coef != 0.0
+
+
 def _refuse_built(trainer) -> None:
     """What the built trainer shows that cannot be exact (see the module doc)."""
     name = type(trainer).__name__
@@ -101,8 +151,13 @@ def _refuse_built(trainer) -> None:
                          f"{dist.get_world_size() // trainer.dp_size} of {dist.get_world_size()} "
                          "ranks (dp x cp) is not supported")
     if getattr(trainer, "aux_loss_enabled", False):
-        raise ValueError(f"{name} does not support a MoE router auxiliary loss "
-                         "(output_router_logits): it is a mean over each rank's shard")
+        if not isinstance(trainer, SFTTrainer):
+            raise ValueError(f"{name} does not support a MoE router auxiliary loss "
+                             "(output_router_logits): it is a mean over each rank's shard; "
+                             "turn it off with router_aux_loss_coef=0.0")
+        problem = _router_loss_problem(name, trainer.model)
+        if problem is not None:
+            raise ValueError(problem)
     if getattr(trainer, "_is_vision_dataset", False):
         raise ValueError(f"{name} does not support vision datasets: images are not sharded")
 
@@ -116,7 +171,15 @@ class RingSFTTrainer(RingTrainerMixin, SFTTrainer):
     """
 
     def __init__(self, *args, **kwargs):
-        _refuse_args(type(self).__name__, _bound(SFTTrainer, args, kwargs).get("args"))
+        bound = _bound(SFTTrainer, args, kwargs)
+        name = type(self).__name__
+        _refuse_args(name, bound.get("args"))
+        model = bound.get("model")
+        # before TRL's __init__ (and check_model's generic refusal): say what to do here
+        if isinstance(model, torch.nn.Module) and _aux_loss_asked(model, bound.get("args")):
+            problem = _router_loss_problem(name, model)
+            if problem is not None:
+                raise ValueError(problem)
         super().__init__(*args, **kwargs)
         _refuse_built(self)
 
@@ -142,13 +205,27 @@ class RingSFTTrainer(RingTrainerMixin, SFTTrainer):
         mode = "train" if self.model.training else "eval"
         kw = {k: v for k, v in local.items() if k not in (_TOKENS, "num_items_in_batch")}
         # TRL's fused head scores the pre-shifted labels of the shard (shift_labels)
-        outputs = model(**kw, use_cache=False, fused_lm_head=True)
+        if self.aux_loss_enabled:
+            kw["output_router_logits"] = True  # as TRL asks (VLM wrappers read only this)
+            with _router_logits_to_output(_unwrapped(self.model)):
+                outputs = model(**kw, use_cache=False, fused_lm_head=True)
+        else:
+            outputs = model(**kw, use_cache=False, fused_lm_head=True)
         local["ring_context"].check_consumed(self.model)
         per_token_loss = -outputs.log_probs  # zero where the label is -100
         if self.args.loss_type == "dft":  # per token: local
             per_token_loss = per_token_loss * outputs.log_probs.exp().detach()
         count = local["num_items_in_batch"] if num_items_in_batch is None else num_items_in_batch
         share = per_token_loss.sum() / torch.as_tensor(count).clamp(min=1)
+        if self.aux_loss_enabled:
+            # outputs.aux_loss: the global router loss (the converted model's hook), the same
+            # on every rank. TRL adds coef * aux_loss, over the accumulation steps when it
+            # divides by the accumulated batch's targets: each rank carries 1/W of it (its
+            # gradient reaches every rank's router through the hook's all-reduce)
+            steps = (self.current_gradient_accumulation_steps if num_items_in_batch is not None
+                     else 1)
+            world = dist.get_world_size(self.cp_group)
+            share = share + self.router_aux_loss_coef * outputs.aux_loss / (world * steps)
 
         stats = torch.stack([outputs.label_mask.sum(), outputs.entropy.detach().sum(),
                              outputs.is_top1.sum()]).double()
@@ -159,6 +236,8 @@ class RingSFTTrainer(RingTrainerMixin, SFTTrainer):
         if mode == "train":
             self._total_train_tokens += int(local[_TOKENS]) // self._tp_size
         self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+        if self.aux_loss_enabled:  # one process logs its micro-batch's aux_loss: the global one
+            self._metrics[mode]["aux_loss"].append(float(outputs.aux_loss.detach()))
         return share, outputs
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -191,6 +270,31 @@ class RingSFTTrainer(RingTrainerMixin, SFTTrainer):
         logits = unshard(logits, group=ctx.group, layout=ctx.layout, dim=1, seqlen=ctx.seqlen,
                          cu_seqlens=ctx.cu_seqlens)
         return loss, logits, inputs.get("labels")
+
+
+@contextlib.contextmanager
+def _router_logits_to_output(model):
+    """During one call of ``model`` (the converted MoE model TRL's fused head patched): its
+    backbone's router logits on the model's output, which TRL's ``FusedCausalLMOutput``
+    leaves out, so that the global router loss hook ``convert`` put on the model (which
+    reads ``output.router_logits``; this one is prepended, so it runs first) computes the
+    loss over every rank's tokens."""
+    kept = []
+
+    def keep(module, args, output):
+        kept.append(getattr(output, "router_logits", None))
+
+    def attach(module, args, output):
+        if getattr(output, "router_logits", None) is None and kept and kept[-1] is not None:
+            output.router_logits = kept[-1]
+
+    handles = [model.base_model.register_forward_hook(keep),
+               model.register_forward_hook(attach, prepend=True)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 class _ShardedModel:
