@@ -79,6 +79,12 @@ class RingContext:
         """
         if self.calls == 0:
             what = "the model" if model is None else type(model).__name__
+            if model is not None and "_ringattn_conversion" in getattr(model, "__dict__", {}):
+                raise ValueError(
+                    f"{what} was converted by ringattn, but none of its layers ran with this "
+                    f"batch's ring context: the model was not called with the dict from "
+                    f"shard_batch / prepare_batch (or a wrapper dropped its ring_context), so "
+                    f"each rank mixed its shard alone")
             raise ValueError(
                 f"{what} ran without calling ring attention or a converted sequence mixer: "
                 f"it computes attention (or mixes the sequence) itself, so each rank saw its "

@@ -436,6 +436,29 @@ def _head_free(mask: Mask) -> bool:
         mask, (_Document, _PrefixLM, _KeyPadding, _KeyMask, _Chunked))
 
 
+def check_length(mask: Mask, seqlen: int) -> None:
+    """Refuse a mask whose parts were built for another sequence length than ``seqlen``:
+    documents whose offsets do not end at S (the tokens after the last offset would belong
+    to no document), a key mask of another width.
+
+    Raises:
+        ValueError: naming the part and both lengths.
+    """
+    if isinstance(mask, _Combined):
+        for part in mask.parts:
+            check_length(part, seqlen)
+    elif isinstance(mask, _HeadOffset):
+        check_length(mask.inner, seqlen)
+    elif isinstance(mask, _Document) and mask.cu[-1] != seqlen:
+        raise ValueError(
+            f"mask document({list(mask.cu)}) describes a sequence of {mask.cu[-1]} tokens but "
+            f"S={seqlen}: its offsets must end at S (tokens {min(mask.cu[-1], seqlen)}.."
+            f"{max(mask.cu[-1], seqlen) - 1} would belong to no document)")
+    elif isinstance(mask, _KeyMask) and mask._real.shape[1] != seqlen:
+        raise ValueError(f"mask key_mask of [B, S]={list(mask._real.shape)} describes "
+                         f"{mask._real.shape[1]} keys per row but S={seqlen}")
+
+
 def head_offset(mask: Mask, offset: int) -> Mask:
     """``mask`` seen by a rank holding heads ``offset``, ``offset + 1``, ...: its local head
     h is global head h + offset (Ulysses). Masks that never read the head come back as

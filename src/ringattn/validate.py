@@ -30,7 +30,7 @@ from .comm import (HYBRID_DIMS, RingComm, agree, caller_site, control_group, gro
                    is_hybrid_mesh, resolve_group, site_digest)
 from .kernels import available_kernels, get_kernel
 from .layouts import LAYOUT_NAMES, SHARD_TAG, Layout, check_origin, check_tag, get_layout, same_tag
-from .masks import (Mask, check_cu_seqlens, document, fingerprint, head_offset,
+from .masks import (Mask, check_cu_seqlens, check_length, document, fingerprint, head_offset,
                     registered_mask, sliding_window, value_digest)
 from .plan import Plan, make_plan, view_digest
 from .spec import BACKWARD_OVERLAP, AttnSpec
@@ -89,6 +89,8 @@ def effective_mask(spec: AttnSpec, mask: Mask | None, cu: tuple[int, ...] | None
     result = parts[0]
     for m in parts[1:]:
         result = result & m
+    if spec.seqlen is not None:
+        check_length(result, spec.seqlen)
     return result
 
 
@@ -214,8 +216,16 @@ def check_local(q, k, v, comm, causal, window_size, softmax_scale, layout, seqle
         seqlen = cu[-1] if seqlen is None else seqlen
     lay = get_layout(layout, cu)
     given = seqlen is not None
-    if seqlen is None:  # a shard's own S (ringattn.shard remembers it), else W x S_local
+    if seqlen is None:  # a shard's own S (ringattn.shard remembers it)
         tag = getattr(q, SHARD_TAG, None)
+        if tag is None and world > 1:
+            raise ValueError(
+                f"q carries no shard tag (it was computed from a shard: a projection, a "
+                f"reshape or a .clone() drops ringattn.shard's tag) and no seqlen= was given: "
+                f"the global S cannot be read from S_local={n}, and if the shards were padded "
+                f"(S not a multiple of the layout's unit), taking S = W x S_local = "
+                f"{world * n} would attend the padding slots as real keys. Pass seqlen=, the "
+                f"global S ({world * n} when the shards are unpadded)")
         seqlen = n * world if tag is None else tag.seqlen
     if not isinstance(seqlen, int) or isinstance(seqlen, bool) or seqlen < 1:
         raise ValueError(f"seqlen must be an int >= 1, got {seqlen!r}")

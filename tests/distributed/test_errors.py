@@ -115,10 +115,22 @@ ROWS = [  # (id, edit(args, rank), exception, words)
     # a split whose pieces differ in length (not ringattn.shard's)
     ("local-len-differs", lambda a, rank: a.update(
         **({n: a[n][:, :2] for n in "qkv"} if rank == 0 else {}), seqlen=None),
-     ValueError, "needs the shards ringattn.shard makes, which pad"),
+     ValueError, "rank 0: q carries no shard tag"),
+    # untagged shards (a projection or a clone of a shard) without seqlen=: S is unknown
     ("seqlen-not-given", _everywhere(lambda a: a.update(**{n: a[n][:, :3] for n in "qkv"},
                                                         seqlen=None)),
-     ValueError, "seqlen not given (taken as W x S_local = 3 x 3 = 9"),
+     ValueError, "and no seqlen= was given: the global S cannot be read from S_local=3"),
+    ("untagged-clone-without-seqlen", _everywhere(lambda a: a.update(
+        **{n: a[n].clone() for n in "qkv"}, seqlen=None)),
+     ValueError, "Pass seqlen=, the global S (12 when the shards are unpadded)"),
+    # a document mask whose offsets do not end at S (its last tokens in no document)
+    ("document-mask-short", _everywhere(_set(mask=ra.masks.document([0, 5, 10]))), ValueError,
+     "mask document([0, 5, 10]) describes a sequence of 10 tokens but S=12"),
+    ("document-mask-long", _everywhere(_set(mask=ra.masks.document([0, 5, 14]))), ValueError,
+     "describes a sequence of 14 tokens but S=12"),
+    ("key-mask-other-width", _everywhere(_set(mask=ra.masks.key_mask(
+        torch.ones(2, 10, dtype=torch.bool)))), ValueError,
+     "key_mask of [B, S]=[2, 10] describes 10 keys per row but S=12"),
 ]
 
 

@@ -28,13 +28,15 @@ computes from the whole sequence, so registering ring attention is not enough:
   they are built with "eager" and ``convert`` selects ring attention (``BUILT_EAGER``).
 * StableLM and Nemotron, whose decoder layers do not pass the batch's keyword arguments to
   their attention: ``convert`` hands their attention modules the batch's ``ring_context``.
-  Families whose layers drop keyword arguments get it from a forward pre-hook on the model
-  (the context of the latest forward: gradient checkpointing recomputes within a step).
+  Families whose layers drop keyword arguments get the context of the model forward that
+  runs them (``state.bind_context``: also when gradient checkpointing recomputes a layer
+  after other forwards).
 
 Nothing of transformers is patched: ``convert`` registers torch hooks on the model's own
-modules, swaps the class of attention module instances, and records the config as
-converted, which lets ``check_model``, the mask function and the attention function accept
-what it made exact. It returns the model:
+modules, swaps the class of module instances, and records what it did on the model
+instance (``state.record``; never in a registry keyed by its config, which other models may
+share), which lets ``check_model``, the mask function and the attention function accept
+what it made exact on this model and refuse it on another. It returns the model:
 
     from ringattn.integrations import transformers as ra_hf
     ra_hf.register()
