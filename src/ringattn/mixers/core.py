@@ -420,6 +420,13 @@ def _setup(what: str, tensors: dict, group, layout, seqlen, cu_seqlens, extra: d
         given = seqlen is not None
         if seqlen is None:
             tag = getattr(t0, SHARD_TAG, None)
+            if tag is None and world > 1:
+                raise ValueError(
+                    f"{what}: {name0} carries no shard tag (a projection or a .clone() of a "
+                    f"shard drops ringattn.shard's tag) and no seqlen= was given: the global S "
+                    f"cannot be read from S_local={t0.shape[1]} when the shards are padded. "
+                    f"Pass seqlen=, the global S ({t0.shape[1] * world} when the shards are "
+                    f"unpadded)")
             seqlen = t0.shape[1] * world if tag is None else tag.seqlen
         if not isinstance(seqlen, int) or isinstance(seqlen, bool) or seqlen < 1:
             raise ValueError(f"{what}: seqlen must be an int >= 1, got {seqlen!r}")
