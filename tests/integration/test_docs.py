@@ -631,3 +631,32 @@ def _rank_main(work: Path) -> None:
 
 if __name__ == "__main__":
     _rank_main(Path(sys.argv[1]))
+
+
+FOREIGN_PATHS = {"examples/speculative_decoding/main.py"}
+"""Paths the pages name as another project's files (ModelOpt's example, said so in the
+text), not this repository's."""
+
+
+def test_docs_index_and_cross_references():
+    """docs/README.md lists every page of docs/, and every link or file path the README and
+    the pages name (markdown links, `docs/...md`, `tests/...py`, `benchmarks/...`) exists."""
+    import re
+
+    index = (ROOT / "docs" / "README.md").read_text()
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name != "README.md")
+    missing = [p for p in pages if f"]({p})" not in index]
+    assert not missing, f"docs/README.md does not list {missing}"
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = page.read_text()
+        for target in re.findall(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", text):
+            if "://" in target:
+                continue
+            if not (page.parent / target).exists():
+                broken.append(f"{page.name}: link {target}")
+        for path in re.findall(r"`((?:docs|tests|benchmarks|examples|src)/[\w./-]+\.(?:md|py|json|png))`",
+                               text):
+            if not (ROOT / path).exists() and path not in FOREIGN_PATHS:
+                broken.append(f"{page.name}: path {path}")
+    assert not broken, broken
