@@ -25,7 +25,7 @@ import os
 import torch
 
 from ..integrations import transformers as ra_hf
-from .draft import aux_layer_ids, capture_aux_hidden, check_aux_layers
+from .draft import aux_layer_ids, capture_aux_hidden, check_aux_layers, decoder_layers
 
 __all__ = ["load_target", "precompute", "OfflineSamples", "FORMAT"]
 
@@ -44,8 +44,9 @@ def load_target(path: str, *, dtype: str = "float32", attn_implementation: str =
     Arguments:
         path: a directory with ``config.json`` and the weights (no download is tried).
         dtype: "float32" or "bfloat16".
-        attn_implementation: "ringattn" (under CP; registered here and checked with
-            ``check_model``) or one of transformers' ("sdpa", "eager") for one process.
+        attn_implementation: "ringattn" (under CP; registered here and the model
+            ``convert``-ed: a hybrid target's sequence mixers run across ranks) or one of
+            transformers' ("sdpa", "eager") for one process.
 
     Raises:
         ValueError: a path that is not such a directory, a bad dtype, or a model ring
@@ -76,9 +77,9 @@ def load_target(path: str, *, dtype: str = "float32", attn_implementation: str =
                 if hasattr(transformers, name):
                     ra_hf.check_model(getattr(transformers, name), config)
         raise
-    if ring:
-        ra_hf.check_model(model)
-    n = model.config.num_hidden_layers
+    if ring:  # what convert makes exact (a hybrid's mixers, a router loss), else refused
+        ra_hf.convert(model)
+    n = len(decoder_layers(model))
     model.eagle3_aux_layers = check_aux_layers(aux_layers, n) if aux_layers is not None else \
         aux_layer_ids(n)
     return model.eval().requires_grad_(False)
