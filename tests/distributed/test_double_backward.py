@@ -25,7 +25,7 @@ def double_backward_cases():
     results = {}
     for strategy in ("ring", "ulysses", "allgather"):
         q = ra.shard(x).detach().requires_grad_()
-        out = getattr(ra, f"{strategy}_attention")(q, q, q, causal=True)
+        out = getattr(ra, f"{strategy}_attention")(q, q, q, causal=True, seqlen=seqlen)
         (grad,) = torch.autograd.grad((out * ra.shard(w)).sum(), q, create_graph=True)
         err = rel_err(grad, ra.shard(ref_grad).float())
         try:
@@ -34,8 +34,8 @@ def double_backward_cases():
         except ValueError as exc:
             refused = str(exc)
         # the next call runs: the refusal was this rank's own, not a peer's death
-        again = ra.unshard(getattr(ra, f"{strategy}_attention")(q, q, q, causal=True),
-                           seqlen=seqlen)
+        again = ra.unshard(getattr(ra, f"{strategy}_attention")(q, q, q, causal=True,
+                                                                 seqlen=seqlen), seqlen=seqlen)
         results[strategy] = (err, refused, rel_err(again.double(), ref_out.detach()))
     # shard / unshard: second derivatives exact (y = unshard(shard(z)^3): d2/dz2 = 6z)
     z = torch.randn(2, seqlen, 3, generator=g, dtype=torch.float64, requires_grad=True)

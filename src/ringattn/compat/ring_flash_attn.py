@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from ..strategies.ring import ring_attention
 from ..comm import agree, all_gather_single, resolve_group
+from ..layouts import SHARD_TAG
 from ..validate import caller_error
 from ..varlen import reworded, varlen_call
 
@@ -111,9 +112,13 @@ def _batch(layout: str, base: str):
     def attend(api, q, k, v, error, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
                return_attn_probs, group, seqlen):
         error = error or _dropout_error(dropout_p)
+        if (seqlen is None and isinstance(q, torch.Tensor) and q.dim() >= 2
+                and getattr(q, SHARD_TAG, None) is None and dist.is_initialized()):
+            # ring-flash-attn's contract: the shards are x.chunk(W) pieces (S = W x S_local)
+            seqlen = q.shape[1] * dist.get_world_size(resolve_group(group))
         with reworded(api, packed=False):
             if error is not None:
-                _refused(error, lambda g: ring_attention(q, k, v, group=g), group)
+                _refused(error, lambda g: ring_attention(q, k, v, group=g, seqlen=seqlen), group)
             result = ring_attention(q, k, v, group=group, causal=causal,
                                     window_size=window_size, softmax_scale=softmax_scale,
                                     layout=layout, seqlen=seqlen, alibi_slopes=alibi_slopes,
