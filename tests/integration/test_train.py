@@ -244,8 +244,8 @@ def test_eagle3_under_torchrun_dp_x_cp_equals_one_process(tmp_path):
      "ulysses=2 to divide the world of 3"),
     (["--strategy", "hybrid", "--ulysses", "2"], "3", "ulysses=2 to divide the world of 3"),
     (["--world", "3", "--ulysses", "2"], None, "--ulysses applies only with --strategy hybrid"),
-    (["--world", "0"], None, "world must be an int >= 1"),
-    (["--save-steps", "-1"], None, "save_steps must be an int >= 0, got -1"),
+    (["--world", "0"], None, "argument --world: must be an int >= 1, got 0"),
+    (["--save-steps", "-1"], None, "argument --save-steps: must be an int >= 0, got -1"),
     (["--data", "{out}/missing.txt"], None, "data='{out}/missing.txt' is not a file"),
     (["--model", "{out}/nowhere"], None, "model='{out}/nowhere' does not exist"),
     (["--model", "{out}/cp2"], None, "model='{out}/cp2' is a directory without a config.json"),
@@ -305,7 +305,7 @@ def test_demo_refuses_a_bad_world_before_spawning(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["demo", "--target", "lm", "--world", "0"])
     assert exc.value.code == 2
-    assert "world must be an int >= 1" in capsys.readouterr().err
+    assert "argument --world: must be an int >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(60)

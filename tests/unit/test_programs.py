@@ -188,7 +188,7 @@ def _one_line_exit(capsys, fn, argv) -> str:
     (["--resume", "/nowhere/checkpoint-3"], "no Eagle3 checkpoint at '/nowhere/checkpoint-3'"),
     (["--target", "/nowhere"], "target '/nowhere' is not a local transformers model directory"),
     (["--target", "/nowhere", "--offline", "/nowhere/off"], "target '/nowhere' is not"),
-    (["--eval-prompts", "-1"], "--eval-prompts must be >= 0"),
+    (["--eval-prompts", "-1"], "argument --eval-prompts: must be an int >= 0, got -1"),
 ])
 def test_eagle3_train_argument_errors_are_one_line(no_ranks, capsys, argv, named):
     from ringattn.apps import eagle3_train

@@ -13,10 +13,16 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import sys
 
-EXTRAS = {"demo": ("transformers", "tqdm", "matplotlib"), "hf": ("transformers", "accelerate")}
-"""The install extras the programs need (pyproject.toml's optional dependencies)."""
+EXTRAS = {"demo": ("transformers", "accelerate", "tqdm", "matplotlib"),
+          "hf": ("transformers", "accelerate"),
+          "modelopt": ("modelopt", "requests", "transformers", "accelerate")}
+"""The install extras the programs need (pyproject.toml's optional dependencies), by import
+name (``modelopt`` installs as nvidia-modelopt): transformers' ``Trainer`` (``ringattn
+train``, ``ringattn demo --target lm``) needs accelerate; ModelOpt imports requests without
+declaring it."""
 
 
 def require_extra(extra: str, program: str, packages: tuple[str, ...] | None = None) -> None:
@@ -36,6 +42,69 @@ def require_extra(extra: str, program: str, packages: tuple[str, ...] | None = N
         print(f"{program} needs {', '.join(missing)}: pip install 'ringattn[{extra}]'",
               file=sys.stderr)
         raise SystemExit(2)
+
+
+class Number:
+    """An argparse ``type=`` for a number in a range, the one check of every program's
+    numeric options: ``--steps 0`` fails in argparse (status 2, before any rank starts) with
+    ``argument --steps: must be an int >= 1, got 0``; text that is not a number keeps
+    argparse's ``invalid int value: 'x'``.
+
+    Arguments:
+        kind: ``int`` or ``float`` (a float must also be finite: no nan or inf).
+        low: the smallest value allowed (None: no lower bound).
+        high: the largest value allowed (None: no upper bound).
+        above: a value the number must exceed (for a float > 0), instead of ``low``.
+    """
+
+    def __init__(self, kind: type, low=None, high=None, *, above=None):
+        if kind not in (int, float) or (low is not None and above is not None):
+            raise ValueError("Number(kind in (int, float), low or above, high)")
+        self.kind, self.low, self.high, self.above = kind, low, high, above
+        self.__name__ = kind.__name__  # argparse's "invalid int value" names it
+
+    @property
+    def allowed(self) -> str:
+        """The range in words: "an int >= 1", "a float > 0", "an int in [0, 4294967295]"."""
+        what = "an int" if self.kind is int else "a finite float"
+        if self.low is not None and self.high is not None:
+            return f"{what} in [{self.low}, {self.high}]"
+        if self.above is not None:
+            bound = f" > {self.above}"
+        elif self.low is not None:
+            bound = f" >= {self.low}"
+        else:
+            bound = ""
+        return what + bound + (f" <= {self.high}" if self.high is not None else "")
+
+    def problem(self, value) -> str | None:
+        """Why ``value`` is out of range (``must be ..., got ...``), or None."""
+        bad = (isinstance(value, bool) or not isinstance(value, (int, float))
+               or (self.kind is int and not isinstance(value, int))
+               or (isinstance(value, float) and not math.isfinite(value))
+               or (self.low is not None and value < self.low)
+               or (self.above is not None and value <= self.above)
+               or (self.high is not None and value > self.high))
+        return f"must be {self.allowed}, got {value!r}" if bad else None
+
+    def __call__(self, text: str):
+        value = self.kind(text)  # ValueError: argparse's "invalid int value: 'x'"
+        problem = self.problem(value)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+
+def number_error(parser: argparse.ArgumentParser, option: str, number: Number, value,
+                 why: str = "") -> None:
+    """A range that depends on other options, checked after parsing: the same error as
+    ``Number`` gives (``argument --seqlen: must be an int >= 16 <why>, got 9``, status 2)
+    when ``value`` is outside ``number``'s range; nothing otherwise."""
+    problem = number.problem(value)
+    if problem is not None:
+        if why:
+            problem = problem.replace(", got ", f" {why}, got ", 1)
+        parser.error(f"argument {option}: {problem}")
 
 
 class Parser(argparse.ArgumentParser):

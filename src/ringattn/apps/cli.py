@@ -14,8 +14,8 @@ import textwrap
 from .. import __version__
 from .._program import PROGRAMS
 from ..layouts import LAYOUTS
-from . import Parser, require_extra, train
-from .eagle3_train import Eagle3Config
+from . import Number, Parser, number_error, require_extra, train
+from .eagle3_train import PROMPT_TOKENS, SYNTHETIC_MIN_SEQLEN, Eagle3Config
 
 __all__ = ["main"]
 
@@ -45,18 +45,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--target", choices=("eagle3", "lm"), default="eagle3",
                       help="what to train (default eagle3)")
-    demo.add_argument("--world", type=int, default=2, help="number of CPU ranks W (default 2)")
-    demo.add_argument("--steps", type=int, default=None,
+    demo.add_argument("--world", type=Number(int, 1), default=2,
+                      help="number of CPU ranks W (default 2)")
+    demo.add_argument("--steps", type=Number(int, 1), default=None,
                       help=f"optimizer steps (default: eagle3 {Eagle3Config.steps}, "
                       f"lm {train.TrainConfig.steps})")
-    demo.add_argument("--seqlen", type=int, default=None,
+    demo.add_argument("--seqlen", type=Number(int), default=None,  # range: by --target
                       help=f"sequence length S (default: eagle3 {Eagle3Config.seqlen}, "
-                      f"lm {train.TrainConfig.seqlen})")
+                      f"lm {train.TrainConfig.seqlen}; at least eagle3 {SYNTHETIC_MIN_SEQLEN}, "
+                      f"lm {train.MIN_SEQLEN})")
     demo.add_argument("--layout", choices=sorted(LAYOUTS), default="zigzag",
                       help="token placement on ranks (default zigzag)")
     demo.add_argument("--single-attn", choices=train.SINGLE_ATTN, default="sdpa",
                       help="lm: attention of the single-process run (default sdpa)")
     demo.add_argument("--out", default="demo_out", help="output directory (default demo_out/)")
+    parser.demo = demo  # its checks that depend on --target report as "ringattn demo: ..."
     train.add_arguments(sub.add_parser(
         "train",
         help="train a transformers LM under context parallelism (spawned ranks or torchrun)",
@@ -74,7 +77,21 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         0 on success (a failure exits through ``SystemExit(1)``; bad usage through 2).
     """
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        if args.seqlen is not None and args.target == "eagle3":
+            # a prompt, then a target token for each TTT step: on shorter rows TTT steps
+            # have nothing to train on (below 10 tokens every loss is 0)
+            number_error(parser.demo, "--seqlen", Number(int, SYNTHETIC_MIN_SEQLEN),
+                         args.seqlen, f"with --target eagle3 ({PROMPT_TOKENS} prompt tokens, "
+                         f"then one for each of the {Eagle3Config.ttt_steps} TTT steps)")
+        elif args.seqlen is not None:
+            number_error(parser.demo, "--seqlen", Number(int, train.MIN_SEQLEN), args.seqlen,
+                         "with --target lm")
+        defaults = Eagle3Config if args.target == "eagle3" else train.TrainConfig
+        args.steps = defaults.steps if args.steps is None else args.steps
+        args.seqlen = defaults.seqlen if args.seqlen is None else args.seqlen
     require_extra("demo", f"ringattn {args.command}")
     if args.command == "train":
         train.run_and_report(args)
@@ -83,17 +100,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.target == "eagle3":
             from .eagle3_demo import run_eagle3_demo
 
-            result = run_eagle3_demo(
-                world=args.world, steps=args.steps or Eagle3Config.steps, out_dir=args.out,
-                layout=args.layout, seqlen=args.seqlen or Eagle3Config.seqlen)
+            result = run_eagle3_demo(world=args.world, steps=args.steps, out_dir=args.out,
+                                     layout=args.layout, seqlen=args.seqlen)
             what = "an Eagle3 draft"
         else:
             from .demo import run_demo
 
-            result = run_demo(
-                world=args.world, steps=args.steps or train.TrainConfig.steps,
-                out_dir=args.out, layout=args.layout,
-                seqlen=args.seqlen or train.TrainConfig.seqlen, single_attn=args.single_attn)
+            result = run_demo(world=args.world, steps=args.steps, out_dir=args.out,
+                              layout=args.layout, seqlen=args.seqlen,
+                              single_attn=args.single_attn)
             what = "a causal LM"
     except ValueError as exc:
         print(f"ringattn demo: {exc}", file=sys.stderr)

@@ -20,7 +20,8 @@ import os
 import time
 
 from .demo import run_costs, save_result
-from .eagle3_train import Eagle3Config, spawn_eagle3, train_eagle3
+from .eagle3_train import (PROMPT_TOKENS, Eagle3Config, spawn_eagle3, synthetic_min_seqlen,
+                           train_eagle3)
 
 __all__ = ["REL_TOL", "run_eagle3_demo"]
 
@@ -37,6 +38,12 @@ is a handful, far from what a wrong shift or mask causes."""
 
 LEARN_RATIO = 1.5
 """Step-0 accuracy over the last 10 steps must reach this multiple of the first 10's."""
+
+
+def _rel(a: float, b: float) -> float:
+    """|a - b| / |b|: 0 for two equal losses (0 when a step had no token to train on), inf
+    for a loss against a 0."""
+    return 0.0 if a == b else abs(a - b) / abs(b) if b else float("inf")
 
 
 def _plot(result: dict, path: str) -> None:
@@ -212,17 +219,23 @@ def run_eagle3_demo(world: int = 2, steps: int = Eagle3Config.steps, out_dir: st
         ``out_dir/eagle3.json``, with the plot ``out_dir/eagle3.png``.
 
     Raises:
-        ValueError: a bad argument, before any process starts.
+        ValueError: a bad argument (also ``seqlen`` below ``SYNTHETIC_MIN_SEQLEN``, where
+            TTT steps have nothing to train on), before any process starts.
     """
     if not (isinstance(world, int) and not isinstance(world, bool) and world >= 1):
         raise ValueError(f"world must be an int >= 1, got {world!r}")
+    least = synthetic_min_seqlen(Eagle3Config())
+    if not (isinstance(seqlen, int) and not isinstance(seqlen, bool) and seqlen >= least):
+        raise ValueError(f"seqlen must be an int >= {least} ({PROMPT_TOKENS} prompt tokens, "
+                         f"then one for each of the {Eagle3Config.ttt_steps} TTT steps), got "
+                         f"{seqlen!r}")
     cfg = Eagle3Config(steps=steps, layout=layout, seqlen=seqlen,
                        pad=min(Eagle3Config.pad, seqlen // 4))
     t0 = time.perf_counter()
     cp = spawn_eagle3(cfg, world=world, progress=verbose, out_dir=out_dir)  # + exported drafts
     single = train_eagle3(cfg, progress=verbose)
     accepted = _acceptance(cfg, out_dir)
-    rel_diff = [abs(a - b) / abs(b) for a, b in zip(cp["loss"], single["loss"])]
+    rel_diff = [_rel(a, b) for a, b in zip(cp["loss"], single["loss"])]
     acc_diff = max(abs(a - b) for j in range(cfg.ttt_steps)
                    for a, b in zip(cp["step_accuracy"][j], single["step_accuracy"][j]))
     worst = max(range(len(rel_diff)), key=rel_diff.__getitem__)

@@ -7,7 +7,7 @@ import os
 import sys
 
 from ..eagle3.target import _DTYPES, load_target, precompute
-from . import Parser, require_extra
+from . import Number, Parser, require_extra
 
 PROG = "python -m ringattn.apps.eagle3_target"
 
@@ -27,7 +27,8 @@ def main(argv=None) -> int:
     parser.add_argument("--target", required=True, help="a local transformers model directory")
     parser.add_argument("--data", required=True, help="JSON lines of conversations")
     parser.add_argument("--out", required=True, help="the offline directory to write")
-    parser.add_argument("--seqlen", type=int, default=None, help="cut conversations to this")
+    parser.add_argument("--seqlen", type=Number(int, 1), default=None,
+                        help="cut conversations to this many tokens (default: whole)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16",
                         help="of the stored hidden states and logits (default bfloat16)")
     args = parser.parse_args(argv)
@@ -38,8 +39,6 @@ def main(argv=None) -> int:
                              f"directory (no config.json)")
         if not os.path.isfile(args.data):
             raise ValueError(f"--data {args.data!r} is not a file")
-        if args.seqlen is not None and args.seqlen < 1:
-            raise ValueError(f"--seqlen must be >= 1, got {args.seqlen}")
         from transformers import AutoTokenizer
 
         from ..eagle3.data import load_conversations, render

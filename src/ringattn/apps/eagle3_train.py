@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ..comm import metadata_device, resolve_group
 from ..integrations import transformers as ra_hf
 from ..layouts import LAYOUTS, local_positions
-from . import Parser, require_extra
+from . import Number, Parser, number_error, require_extra
 from .train import leave_together, peak_rss_mib, plot_curves, spawn
 from ..eagle3.draft import (Eagle3Draft, aux_layer_ids, draft_vocabulary, eagle3_step, run_target,
                     shard_target_outputs)
@@ -36,7 +36,7 @@ from ..eagle3.export import FORMATS, export_draft
 from ..eagle3.target import OfflineSamples, load_target
 
 __all__ = ["Eagle3Config", "build_target", "build_draft", "make_batches", "train_step",
-           "train_eagle3", "spawn_eagle3", "shard_ranges"]
+           "train_eagle3", "spawn_eagle3", "shard_ranges", "SYNTHETIC_MIN_SEQLEN"]
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -125,6 +125,9 @@ class Eagle3Config:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if not (isinstance(self.lr, (int, float)) and not isinstance(self.lr, bool)
+                and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a finite float > 0, got {self.lr!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio!r}")
         if not self.grad_clip >= 0:
@@ -162,6 +165,21 @@ class Eagle3Config:
         if world % self.dp:
             raise ValueError(f"the world of {world} ranks does not split into dp={self.dp} "
                              f"replicas")
+
+
+PROMPT_TOKENS = 8
+"""Synthetic rows: the first this many tokens are a prompt, not trained on."""
+
+SYNTHETIC_MIN_SEQLEN = PROMPT_TOKENS + Eagle3Config.ttt_steps + 1
+"""The shortest synthetic row (``make_batches``) on which every TTT step trains: TTT step j
+counts a position i >= ``PROMPT_TOKENS`` whose token i + 1 + j is in the row, so the last
+of the ``ttt_steps`` needs ``PROMPT_TOKENS + ttt_steps + 1`` tokens (16; shorter rows leave
+steps, or below 10 every step, with no target: losses 0, accuracies nan)."""
+
+
+def synthetic_min_seqlen(cfg: Eagle3Config) -> int:
+    """``SYNTHETIC_MIN_SEQLEN`` for ``cfg.ttt_steps``."""
+    return PROMPT_TOKENS + cfg.ttt_steps + 1
 
 
 def build_target(cfg: Eagle3Config, attn_implementation: str):
@@ -284,7 +302,7 @@ def check_inputs(cfg: Eagle3Config, resume: str | None = None) -> None:
     so that a bad path is one line, not a failure on every rank): ``cfg.target`` is a
     model directory, ``cfg.data`` parses and holds more than ``cfg.held_out``
     conversations, ``cfg.offline`` is an offline directory stored for this target, and
-    ``resume`` a checkpoint of this configuration.
+    ``resume`` a checkpoint of this configuration before its last step.
 
     Raises:
         ValueError: naming the path and what is wrong with it.
@@ -314,7 +332,17 @@ def check_inputs(cfg: Eagle3Config, resume: str | None = None) -> None:
             raise ValueError(f"offline {cfg.offline!r} was not stored for target "
                              f"{cfg.target!r}: " + ", ".join(differ))
     if resume is not None:
-        read_checkpoint(resume, cfg, mmap=True)
+        _check_resume_step(resume, read_checkpoint(resume, cfg, mmap=True), cfg)
+
+
+def _check_resume_step(resume: str, state: dict, cfg: Eagle3Config) -> None:
+    """Refuse a checkpoint at or past the last step: the run would train and export nothing
+    (what ``ringattn train`` refuses too)."""
+    step = int(state["step"])
+    if step >= cfg.steps:
+        raise ValueError(f"resume {resume!r} is at step {step}, not before the last of "
+                         f"steps={cfg.steps}: nothing to train or export (raise --steps to "
+                         f"train on from it)")
 
 
 def _data_batches(cfg: Eagle3Config, rows: list[dict], replica: int | None):
@@ -346,7 +374,7 @@ def make_batches(cfg: Eagle3Config, replica: int | None = 0, rows: list[dict] | 
     rows of chat data when ``rows`` are given, ``_data_batches``; else synthetic, the same on its CP
     ranks; None: all replicas' rows, for one process): ``input_ids`` [B, S],
     ``attention_mask`` (each replica's last row right padded by ``pad``) and ``loss_mask``
-    (a prompt of 8 tokens is not trained on, nor is padding)."""
+    (a prompt of ``PROMPT_TOKENS`` tokens is not trained on, nor is padding)."""
     if rows is not None:
         yield from _data_batches(cfg, rows, replica)
         return
@@ -356,7 +384,7 @@ def make_batches(cfg: Eagle3Config, replica: int | None = 0, rows: list[dict] | 
         keep = torch.ones_like(ids)
         keep[:, -1, cfg.seqlen - cfg.pad:] = 0
         loss_mask = keep.clone()
-        loss_mask[:, :, :8] = 0
+        loss_mask[:, :, :PROMPT_TOKENS] = 0
         picked = slice(None) if replica is None else slice(replica, replica + 1)
         yield {"input_ids": ids.masked_fill(keep == 0, 0)[picked].flatten(0, 1),
                "attention_mask": keep[picked].flatten(0, 1),
@@ -602,6 +630,7 @@ def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
     start = 0
     if resume is not None:
         start, history = load_checkpoint(resume, draft, opt, scheduler, cfg)
+        _check_resume_step(resume, {"step": start}, cfg)  # the same on every rank
     # every rank reports the positions it holds; rank 0 prints them in rank order
     mine = (dp_rank, cp_rank, shard_ranges(cfg.seqlen, cfg.layout, cp_rank, cp))
     reports = [mine]
@@ -624,7 +653,8 @@ def train_eagle3(cfg: Eagle3Config, *, group=None, progress: bool = True,
     # advanced by hand after each step (a bar wrapped around the steps shows the count it
     # last synced when set_postfix redraws it: 0/N throughout on fast steps)
     bar = tqdm(total=cfg.steps, initial=start, disable=not show,
-               desc=f"eagle3 draft, {'one process' if group is None else f'dp {cfg.dp} x cp {cp}'}")
+               desc="eagle3 draft, " + ("one process" if group is None else
+                                         f"dp {cfg.dp} x cp {cp}, {cfg.strategy}"))
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
@@ -778,9 +808,9 @@ def main(argv=None) -> int:
     """
     parser = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     d = Eagle3Config
-    parser.add_argument("--world", type=int, default=2,
+    parser.add_argument("--world", type=Number(int, 1), default=2,
                         help="ranks to spawn (ignored under torchrun; default 2)")
-    parser.add_argument("--dp", type=int, default=1,
+    parser.add_argument("--dp", type=Number(int, 1), default=1,
                         help="data-parallel replicas; cp = world / dp (default 1)")
     parser.add_argument("--target", default=None,
                         help="a local transformers model directory (default: a tiny random Llama)")
@@ -795,30 +825,31 @@ def main(argv=None) -> int:
                         help="train on target outputs stored by python -m ringattn.apps.eagle3_target "
                         "(needs --target: the draft's config and embedding; default: run the "
                         "target online)")
-    parser.add_argument("--steps", type=int, default=d.steps,
+    parser.add_argument("--steps", type=Number(int, 1), default=d.steps,
                         help=f"optimizer steps (default {d.steps})")
-    parser.add_argument("--seqlen", type=int, default=d.seqlen,
-                        help=f"global sequence length S of a row (default {d.seqlen})")
-    parser.add_argument("--pad", type=int, default=None,
+    parser.add_argument("--seqlen", type=Number(int, 1), default=d.seqlen,
+                        help=f"global sequence length S of a row (default {d.seqlen}; at "
+                        f"least {SYNTHETIC_MIN_SEQLEN} on the synthetic data)")
+    parser.add_argument("--pad", type=Number(int, 0), default=None,
                         help=f"right padding of each batch's last row, synthetic data only "
                         f"(default {d.pad}, or seqlen // 4 when seqlen <= {d.pad})")
-    parser.add_argument("--batch", type=int, default=d.batch,
+    parser.add_argument("--batch", type=Number(int, 1), default=d.batch,
                         help=f"rows per replica per batch (default {d.batch})")
-    parser.add_argument("--accumulate", type=int, default=d.accumulate,
+    parser.add_argument("--accumulate", type=Number(int, 1), default=d.accumulate,
                         help=f"batches per optimizer step (default {d.accumulate})")
-    parser.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
+    parser.add_argument("--draft-vocab", type=Number(int, 1), default=d.draft_vocab,
                         help=f"draft vocabulary size; the target's whole vocabulary exports "
                         f"without d2t/t2d (default {d.draft_vocab})")
-    parser.add_argument("--lr", type=float, default=d.lr,
+    parser.add_argument("--lr", type=Number(float, above=0), default=d.lr,
                         help=f"peak AdamW learning rate (default {d.lr})")
-    parser.add_argument("--warmup", type=int, default=d.warmup,
+    parser.add_argument("--warmup", type=Number(int, 0), default=d.warmup,
                         help=f"steps of linear warm-up, then cosine decay (default {d.warmup})")
-    parser.add_argument("--grad-clip", type=float, default=d.grad_clip,
+    parser.add_argument("--grad-clip", type=Number(float, 0), default=d.grad_clip,
                         help=f"global gradient-norm clip, 0: none (default {d.grad_clip})")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype,
                         help=f"compute dtype; bfloat16 keeps fp32 master weights (default "
                         f"{d.dtype})")
-    parser.add_argument("--save-every", type=int, default=d.save_every,
+    parser.add_argument("--save-every", type=Number(int, 0), default=d.save_every,
                         help=f"checkpoint every this many steps, 0: only at the end (default "
                         f"{d.save_every})")
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="zigzag",
@@ -826,7 +857,7 @@ def main(argv=None) -> int:
     parser.add_argument("--strategy", choices=STRATEGIES, default=d.strategy,
                         help=f"CP attention: ring, or ulysses (heads over the ranks) (default "
                         f"{d.strategy})")
-    parser.add_argument("--eval-prompts", type=int, default=8,
+    parser.add_argument("--eval-prompts", type=Number(int, 0), default=8,
                         help="held-out prompts of the closing speculative-decoding evaluation, "
                         "0: none; with --data or --offline the last this many conversations, "
                         "left out of training (default 8)")
@@ -837,10 +868,12 @@ def main(argv=None) -> int:
                         help="directory for curves, checkpoints and the exported drafts "
                         "(default eagle3_out)")
     args = parser.parse_args(argv)
+    if args.data is None and args.offline is None:  # synthetic rows: a prompt, then TTT
+        number_error(parser, "--seqlen", Number(int, SYNTHETIC_MIN_SEQLEN), args.seqlen,
+                     f"on the synthetic data ({PROMPT_TOKENS} prompt tokens, then one for each "
+                     f"of the {d.ttt_steps} TTT steps)")
     require_extra("demo", PROG)
     try:
-        if args.eval_prompts < 0:
-            raise ValueError(f"--eval-prompts must be >= 0, got {args.eval_prompts}")
         chats = args.data is not None or args.offline is not None
         cfg = Eagle3Config(steps=args.steps, seqlen=args.seqlen, layout=args.layout, dp=args.dp,
                            target=args.target, data=args.data, pack=args.pack, batch=args.batch,

@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     """Train from ``--config`` with the overrides; returns 0 when training ends (a refused
     recipe exits with status 2 and one line, the same on every rank)."""
     args = parser().parse_args(argv)
-    require_extra("modelopt", PROG, ("modelopt", "transformers", "accelerate"))
+    require_extra("modelopt", PROG)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         recipe, targs = load(args.config, args.overrides, world)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from . import Parser
+from . import Number, Parser
 
 PROG = "python -m ringattn.apps.specforge_train"
 
@@ -22,7 +22,7 @@ def parser() -> Parser:
     sub = p.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train from a SpecForge run config")
     train.add_argument("-c", "--config", required=True, help="SpecForge's YAML or JSON run config")
-    train.add_argument("--cp-size", type=int, default=None,
+    train.add_argument("--cp-size", type=Number(int, 1), default=None,
                        help="ranks per context-parallel group (default: the whole world)")
     train.add_argument("overrides", nargs="*",
                        help="SpecForge's dotted overrides, e.g. training.learning_rate=1e-4")

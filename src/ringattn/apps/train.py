@@ -31,9 +31,11 @@ tokens/s, and writes ``train.json`` (the curves) and ``loss.png`` to the output 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
+import re
 import resource
 import sys
 import tempfile
@@ -52,7 +54,7 @@ from ..batch import all_reduce_metrics
 from ..comm import resolve_group
 from ..integrations import transformers as ra_hf
 from ..layouts import LAYOUTS
-from . import Parser, require_extra
+from . import Number, Parser, require_extra
 
 __all__ = [
     "TrainConfig", "model_source", "build_model", "make_batches", "read_checkpoint", "train",
@@ -78,6 +80,21 @@ RESUMABLE = ("layout", "strategy", "ulysses", "log_every", "save_steps")
 
 RECORD = "ringattn_train.json"
 """The file in each checkpoint that holds the configuration and the curves so far."""
+
+MIN_SEQLEN = 4
+"""The shortest global sequence S (the copy task's prefix and its copy, two tokens each)."""
+
+SEED_MAX = 2**32 - 1
+"""The largest seed: Trainer seeds numpy too, whose seeds lie in [0, 2**32 - 1]."""
+
+ATTENTION_DROPOUT = re.compile(r"(attn|attention).*drop|drop.*(attn|attention)", re.IGNORECASE)
+"""Config fields of an attention dropout (``attention_dropout``, GPT-2's ``attn_pdrop``,
+BERT's ``attention_probs_dropout_prob``, MPT's ``attn_config.attn_pdrop``, ...)."""
+
+STRATEGY_WORDS = {"ring": "ring attention", "ulysses": "Ulysses attention",
+                  "allgather": "all-gather attention", "hybrid": "hybrid attention",
+                  "auto": "auto"}
+"""How the progress bar, the log lines and the plot name a CP strategy."""
 
 
 def _is_int(value, low: int) -> bool:
@@ -164,8 +181,8 @@ class TrainConfig:
                      "kv_heads", "layers"):
             if not _is_int(getattr(self, name), 1):
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
-        if not _is_int(self.seqlen, 4):
-            raise ValueError(f"seqlen must be an int >= 4, got {self.seqlen!r}")
+        if not _is_int(self.seqlen, MIN_SEQLEN):
+            raise ValueError(f"seqlen must be an int >= {MIN_SEQLEN}, got {self.seqlen!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; choose one of {sorted(LAYOUTS)}")
         check_strategy(self.strategy)
@@ -184,8 +201,8 @@ class TrainConfig:
         if not (isinstance(self.init_std, float) and math.isfinite(self.init_std)
                 and self.init_std > 0):
             raise ValueError(f"init_std must be a finite float > 0, got {self.init_std!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if not _is_int(self.seed, 0) or self.seed > SEED_MAX:
+            raise ValueError(f"seed must be an int in [0, {SEED_MAX}], got {self.seed!r}")
         if not _is_int(self.log_every, 0):
             raise ValueError(f"log_every must be an int >= 0, got {self.log_every!r}")
         if not _is_int(self.save_steps, 0):
@@ -213,8 +230,7 @@ class TrainConfig:
 
         Raises:
             ValueError: W not an int >= 1, (strategy "hybrid") ``ulysses`` not a divisor of
-                W, or a ``model`` whose class ring attention cannot run exactly
-                (``integrations.transformers.check_model``).
+                W, or a ``model`` ring attention cannot run exactly (``check_cp_model``).
         """
         if not _is_int(world, 1):
             raise ValueError(f"world must be an int >= 1, got {world!r}")
@@ -222,11 +238,9 @@ class TrainConfig:
             raise ValueError(f"strategy 'hybrid' needs ulysses={self.ulysses} to divide the "
                              f"world of {world} ranks")
         if self.model is not None:
-            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
             config, _ = model_source(self)
             try:
-                ra_hf.check_model(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], config)
+                check_cp_model(config)
             except ValueError as exc:
                 raise ValueError(f"model={self.model!r}: {exc}") from None
 
@@ -247,6 +261,60 @@ class TrainConfig:
 WEIGHT_FILES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
 """Endings of the weight files ``save_pretrained`` writes: a model directory holding one is
 loaded with its weights."""
+
+
+def attention_dropout(config) -> tuple[str, float] | None:
+    """The first field of ``config``'s text config (dotted: ``text_config.attention_dropout``,
+    ``attn_config.attn_pdrop``) that sets an attention dropout other than 0, and its value;
+    None when there is none."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    prefix = "" if text is config else next(
+        (f"{k}." for k, v in vars(config).items() if v is text), "")
+
+    def fields(d: dict, at: str):
+        for key, value in d.items():
+            if isinstance(value, dict):
+                yield from fields(value, f"{at}{key}.")
+            else:
+                yield f"{at}{key}", str(key), value
+
+    for name, key, value in fields(text.to_dict(), prefix):
+        if (isinstance(value, (int, float)) and not isinstance(value, bool) and value
+                and ATTENTION_DROPOUT.search(key)):
+            return name, value
+    return None
+
+
+def check_cp_model(config) -> None:
+    """Refuse, before any rank starts, a causal-LM config that ring attention cannot train
+    under ``RingTrainer``: what ``integrations.transformers.check_model`` refuses of its
+    class, an attention dropout (the attention call refuses it on every rank), and what
+    ``RingTrainer`` refuses of the model built from it (on the meta device: no weights).
+
+    Raises:
+        ValueError: naming the config field to change, or what the class cannot do.
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    built = copy.deepcopy(config)
+    built._attn_implementation = ra_hf.NAME  # how build_model builds it
+    ra_hf.check_model(cls, built)
+    dropout = attention_dropout(config)
+    if dropout is not None:
+        field, value = dropout
+        raise ValueError(f"its config sets {field}={value!r}, and ring attention has no "
+                         f"attention dropout: set {field} to 0 in its config.json")
+    ra_hf.register()
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                                     attn_implementation=ra_hf.NAME)
+    except Exception:  # noqa: BLE001 - a class that cannot be built on meta: the ranks say
+        return
+    ra_hf.check_attention(model)
+    ra_hf.check_model(model)
 
 
 def model_source(cfg: TrainConfig):
@@ -468,14 +536,49 @@ def _trainer_classes():
     return LMRingTrainer, LMTrainer
 
 
+def cp_label(strategy: str, world: int, ulysses: int = 2,
+             chosen: list[str] | None = None) -> str:
+    """How the progress bar, the log lines and the plot name a context-parallel run:
+    "ring attention, W=2", "hybrid attention (Ulysses 2 x ring 2), W=4", "auto, W=2"
+    and, once ``chosen`` is known, "auto: Ulysses attention, W=2"."""
+    if strategy == "hybrid":
+        words = f"hybrid attention (Ulysses {ulysses} x ring {world // ulysses})"
+    elif strategy == "auto" and chosen:
+        words = "auto: " + " and ".join(STRATEGY_WORDS.get(c, c) for c in chosen)
+    else:
+        words = STRATEGY_WORDS.get(strategy, strategy)
+    return f"{words}, W={world}"
+
+
+def _auto_choices():
+    """A function returning the strategies ``strategy="auto"`` chose in this process since
+    this call (``ringattn.strategies.auto`` records each (call shape, choice) once; an
+    earlier run in this process with the same shapes recorded them already: then all of
+    them)."""
+    from ..strategies import auto
+
+    before = set(auto._LOGGED)
+
+    def chosen() -> list[str]:
+        now = set(auto._LOGGED)
+        return sorted({s for _, s in (now - before) or now})
+
+    return chosen
+
+
 def _steps_callback(cfg: TrainConfig, trainer, curves: dict, *, what: str, show: bool,
-                    start: int):
+                    start: int, world: int | None = None):
     """A ``TrainerCallback`` that keeps the curves (the step's metrics and tokens/s), shows
     the progress bar and log lines (``show``: rank 0), and writes the configuration and the
-    curves so far into every checkpoint (``RECORD``), for a resumed run's curves."""
+    curves so far into every checkpoint (``RECORD``), for a resumed run's curves. Under CP
+    (``world``) with strategy "auto" it names, after the first step, what auto chose
+    (``chosen``; else ``[cfg.strategy]``), in the bar, the log lines and a line of its own."""
     from tqdm import tqdm
     from transformers import TrainerCallback
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    auto = world is not None and cfg.strategy == "auto"
+    choices = _auto_choices() if auto else None
 
     class Steps(TrainerCallback):
         def __init__(self):
@@ -485,11 +588,22 @@ def _steps_callback(cfg: TrainConfig, trainer, curves: dict, *, what: str, show:
             self.bar = tqdm(total=cfg.steps, initial=start, desc=what, disable=not show,
                             leave=False)
             self.t0 = 0.0
+            self.what = what
+            self.chosen = None if world is None or auto else [cfg.strategy]
 
         def on_step_begin(self, args, state, control, **kwargs):
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
+            if auto and not self.chosen:
+                self.chosen = choices() or None
+                if self.chosen:
+                    self.what = cp_label(cfg.strategy, world, cfg.ulysses, self.chosen)
+                    if show:
+                        self.bar.set_description(self.what, refresh=False)
+                        self.bar.write(f"strategy 'auto' chose {' and '.join(self.chosen)} "
+                                       f"(W={world})")
+            what = self.what
             means = trainer.step_metrics[-1]
             for key, value in means.items():
                 curves.setdefault(key, []).append(value)
@@ -575,6 +689,8 @@ def train(cfg: TrainConfig, *, group=None, attn_implementation: str | None = Non
         ``model`` (the class and parameter count), per-step lists ``loss``, ``accuracy``
         (global means over all target tokens), ``copy_loss``/``copy_accuracy`` (copy task),
         ``tokens_per_s`` (the B * S global tokens of a step over its wall time);
+        ``strategy_chosen`` (under CP the strategies that ran: ``[cfg.strategy]``, or what
+        "auto" chose; None in one process, or when auto's choice was not seen),
         ``resumed_at`` (the checkpoint's step, 0 without ``resume``), ``seconds`` (of this
         run's steps), ``tokens_per_s_mean`` (harmonic mean after the first step, which
         builds the ring's plans), per-rank lists ``rss_start_mib`` (before the first step)
@@ -613,7 +729,7 @@ def train(cfg: TrainConfig, *, group=None, attn_implementation: str | None = Non
     curves: dict[str, list[float]] = {"loss": [], "accuracy": [], "tokens_per_s": []}
     if record:
         curves = {k: list(v) for k, v in record["curves"].items()}
-    what = f"ring attention, W={world}" if cp else f"one process ({attn})"
+    what = cp_label(cfg.strategy, world, cfg.ulysses) if cp else f"one process ({attn})"
     ring_cls, one_cls = _trainer_classes()
     # Trainer seeds the global RNG (and a resumed one restores a checkpoint's): the caller's
     # is left as it was
@@ -635,8 +751,9 @@ def train(cfg: TrainConfig, *, group=None, attn_implementation: str | None = Non
         trainer = (ring_cls(**kw, layout=cfg.layout, strategy=cfg.strategy,
                             ulysses_size=cfg.ulysses) if cp else one_cls(**kw))
         trainer.remove_callback(PrinterCallback)  # it prints Trainer's summary dict
-        trainer.add_callback(_steps_callback(cfg, trainer, curves, what=what,
-                                             show=progress and rank == 0, start=start))
+        steps = _steps_callback(cfg, trainer, curves, what=what, show=progress and rank == 0,
+                                start=start, world=world if cp else None)
+        trainer.add_callback(steps)
         rss_start = _rss_mib()
         t_start = time.perf_counter()
         bars = hf_logging.is_progress_bar_enabled()
@@ -657,7 +774,7 @@ def train(cfg: TrainConfig, *, group=None, attn_implementation: str | None = Non
     result = {
         "config": asdict(cfg), "world": world, "attn": attn, "rank": rank,
         "model": {"class": type(model).__name__, "parameters": sum(p.numel() for p in params)},
-        **curves, "resumed_at": start,
+        "strategy_chosen": steps.chosen, **curves, "resumed_at": start,
         "seconds": seconds, "tokens_per_s_mean": len(tail) / sum(1 / t for t in tail),
         "rss_start_mib": rss[0].tolist(), "peak_rss_mib": rss[1].tolist(),
     }
@@ -753,7 +870,9 @@ def write_outputs(result: dict, out_dir: str) -> None:
     curves = [("all targets", result["loss"], {"color": "tab:blue"})]
     if "copy_loss" in result:
         curves.append(("copied half", result["copy_loss"], {"color": "tab:orange"}))
-    how = f"ring attention W={result['world']}" if result["attn"] == ra_hf.NAME else result["attn"]
+    how = (cp_label(cfg["strategy"], result["world"], cfg["ulysses"],
+                    result.get("strategy_chosen")) if result["attn"] == ra_hf.NAME
+           else result["attn"])
     data = "copy task" if cfg["data"] is None else os.path.basename(cfg["data"])
     plot_curves(os.path.join(out_dir, "loss.png"), curves,
                 title=f"{result['model']['class']}, {data}, S={cfg['seqlen']}, {how}")
@@ -821,7 +940,7 @@ def spawn(cfg, *, world: int, progress: bool = True, out_dir: str | None = None,
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the training options (the fields of ``TrainConfig``, W and the output) to a parser."""
     d = TrainConfig()
-    parser.add_argument("--world", type=int, default=2,
+    parser.add_argument("--world", type=Number(int, 1), default=2,
                         help="ranks to spawn when not under torchrun (default 2)")
     parser.add_argument("--attn", choices=[ra_hf.NAME, *SINGLE_ATTN], default=ra_hf.NAME,
                         help="ringattn: context parallel over the ranks; sdpa/eager: one "
@@ -833,10 +952,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(loaded with its weights), or a config (a config.json, or a directory "
                         "with only one: random weights from --seed); default: the built-in "
                         "tiny Llama sized by --hidden ... --init-std")
-    for name, kind in (("steps", int), ("seqlen", int), ("batch", int), ("copy_vocab", int),
-                       ("hidden", int), ("intermediate", int), ("heads", int),
-                       ("kv_heads", int), ("layers", int), ("lr", float), ("init_std", float),
-                       ("seed", int), ("log_every", int), ("save_steps", int)):
+    for name, kind in (("steps", Number(int, 1)), ("seqlen", Number(int, MIN_SEQLEN)),
+                       ("batch", Number(int, 1)), ("copy_vocab", Number(int, 2)),
+                       ("hidden", Number(int, 1)), ("intermediate", Number(int, 1)),
+                       ("heads", Number(int, 1)), ("kv_heads", Number(int, 1)),
+                       ("layers", Number(int, 1)), ("lr", Number(float, above=0)),
+                       ("init_std", Number(float, above=0)), ("seed", Number(int, 0, SEED_MAX)),
+                       ("log_every", Number(int, 0)), ("save_steps", Number(int, 0))):
         what = {"save_steps": "write a checkpoint to --out every this many steps and at "
                 "the last (0: none); "}.get(name, "")
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind,
@@ -849,7 +971,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"token placement on the ranks (default {d.layout})")
     parser.add_argument("--strategy", choices=STRATEGY_CHOICES, default=d.strategy,
                         help=f"how attention runs over the shards (default {d.strategy})")
-    parser.add_argument("--ulysses", type=int, default=None,
+    parser.add_argument("--ulysses", type=Number(int, 1), default=None,
                         help=f"with --strategy hybrid only: ranks of the Ulysses dimension, a "
                              f"divisor of the world (default {d.ulysses})")
     parser.add_argument("--out", default="train_out",
