@@ -330,3 +330,26 @@ def test_eagle3_cli_refuses_a_world_that_dp_does_not_divide(monkeypatch, capsys,
         eagle3_train.main(["--world", "3", "--dp", "2", "--steps", "1"])
     assert exc.value.code == 2
     assert "does not split into dp=2" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_train_converts_a_hybrid_model(tmp_path):
+    """``ringattn train --model`` a hybrid's config (Qwen3-Next: gated delta net + attention)
+    converts it under ring attention: its losses equal one process's (``--attn eager``),
+    where before the model was refused for its unconverted mixers."""
+    from families import FAMILIES
+
+    config, _ = FAMILIES["qwen3_next"]()
+    config.save_pretrained(tmp_path / "qwen3_next")
+    argv = ["--model", str(tmp_path / "qwen3_next"), "--steps", "2", "--seqlen", "37",
+            "--batch", "2", "--no-progress"]
+    run = _Launch([sys.executable, "-m", "ringattn.apps.cli", "train", "--world", "2", *argv,
+                   "--out", "cp"], tmp_path)
+    assert cli.main(["train", *argv, "--attn", "eager", "--out", str(tmp_path / "ref")]) == 0
+    failure = run.failure()
+    assert failure is None, failure
+    got = json.loads((tmp_path / "cp" / "train.json").read_text())["loss"]
+    want = json.loads((tmp_path / "ref" / "train.json").read_text())["loss"]
+    assert len(got) == len(want) == 2
+    for a, b in zip(got, want):
+        assert abs(a - b) <= TOL * abs(b), (got, want)

@@ -314,6 +314,7 @@ def check_cp_model(config) -> None:
     except Exception:  # noqa: BLE001 - a class that cannot be built on meta: the ranks say
         return
     ra_hf.check_attention(model)
+    ra_hf.convert(model)  # as build_model does: refuses what it cannot make exact
     ra_hf.check_model(model)
 
 
@@ -371,7 +372,9 @@ def build_model(cfg: TrainConfig, attn_implementation: str):
             change the weights.
 
     Returns:
-        The model in float32, in training mode. The global RNG is left untouched.
+        The model in float32, in training mode, ``convert``-ed under ring attention (a
+        hybrid's sequence mixers and an MoE router loss run across ranks). The global RNG
+        is left untouched.
 
     Raises:
         ValueError: an unknown attn_implementation; a ``cfg.model`` ``model_source`` refuses.
@@ -402,6 +405,8 @@ def build_model(cfg: TrainConfig, attn_implementation: str):
             kw = dict(attn_implementation=attn_implementation, dtype=torch.float32)
             model = (AutoModelForCausalLM.from_pretrained(cfg.model, local_files_only=True, **kw)
                      if weights else AutoModelForCausalLM.from_config(config, **kw))
+    if attn_implementation == ra_hf.NAME:  # a hybrid's mixers, a router loss: made global
+        model = ra_hf.convert(model)
     return model.float().train()
 
 
