@@ -1261,7 +1261,7 @@ FAMILIES = {
     # Zamba hybrids: Mamba layers and shared transformer blocks
     "zamba": _zamba,
     "zamba2": _zamba2,
-    # attention-free: RWKV-4 and xLSTM (convert_mixers, integrations/_hybrid_rnn.py)
+    # attention-free: RWKV-4 and xLSTM (convert_mixers, integrations/transformers/mixers/recurrent.py)
     "rwkv": _rwkv,
     "xlstm": _xlstm,
 }

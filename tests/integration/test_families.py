@@ -246,7 +246,7 @@ EXPECTED = {
     "hy_v4": REFUSED,
     "dots3_note_text": REFUSED,
     "deepseek_v4": REFUSED,
-    # more hybrids (integrations/_hybrid_more.py): LFM3's short convolution, ZAYA's CCA
+    # more hybrids (integrations/transformers/mixers/ (conv.py, delta.py)): LFM3's short convolution, ZAYA's CCA
     # projection (q/k convolutions, delayed values) converted by convert_mixers
     "lfm3": EXACT,
     "zaya": EXACT,
@@ -304,7 +304,7 @@ EXPECTED_SHARD = {
     "lfm2_moe": REFUSED,
     "bamba": REFUSED,
     "nemotron_h": REFUSED,
-    # more hybrids, unconverted (integrations/_hybrid_more.py)
+    # more hybrids, unconverted (integrations/transformers/mixers/ (conv.py, delta.py))
     "lfm3": REFUSED,
     "zaya": REFUSED,
     "bailing_hybrid": REFUSED,
@@ -315,14 +315,14 @@ EXPECTED_SHARD = {
     "gpt_neox_japanese": REFUSED,  # unconverted: the mask function refuses it
 }
 
-# delta-rule hybrids (convert_mixers, integrations/_hybrid_delta.py): converted exact, their
+# delta-rule hybrids (convert_mixers, integrations/transformers/mixers/delta.py): converted exact, their
 # unconverted linear layers refused; Qwen4-Exp's indexed attention picks key blocks per query
 # from every earlier key's content (its QSA indexer), which ring attention does not compute
 EXPECTED.update({"kimi_linear": EXACT, "olmo_hybrid": EXACT, "lara_mini": EXACT,
                  "qwen4_exp": REFUSED})
 EXPECTED_SHARD.update({"kimi_linear": REFUSED, "olmo_hybrid": REFUSED, "lara_mini": REFUSED})
 
-# Zamba hybrids (convert_mixers, integrations/_hybrid_zamba.py): Zamba's multi-head Mamba and
+# Zamba hybrids (convert_mixers, integrations/transformers/mixers/mamba.py): Zamba's multi-head Mamba and
 # Zamba2's Mamba2 layers across ranks, their shared attention blocks through the interface
 EXPECTED.update({"zamba": EXACT, "zamba2": EXACT})
 EXPECTED_SHARD.update({"zamba": REFUSED, "zamba2": REFUSED})
@@ -597,7 +597,7 @@ def _assert_exact(cluster, families, kind: str, layout: str) -> None:
                                       f"{detail}")
 
 
-# attention-free recurrences (convert_mixers, integrations/_hybrid_rnn.py): RWKV-4's token
+# attention-free recurrences (convert_mixers, integrations/transformers/mixers/recurrent.py): RWKV-4's token
 # shift and WKV, xLSTM's mLSTM across ranks; neither masks padding (a left-padded row's real
 # tokens read its padding tokens, which shard_batch replaces: the converted model's pre-hook
 # gives them back from RingContext.padded_ids). No ringattn code runs in their forward

@@ -1,4 +1,4 @@
-"""The delta-rule hybrids' conversion (integrations/_hybrid_delta.py), in one process: which
+"""The delta-rule hybrids' conversion (integrations/transformers/mixers/delta.py), in one process: which
 layers ``convert_mixers`` replaces, that ``check_model`` refuses them unconverted and accepts
 them converted, and that Qwen4-Exp is refused with its reason. Exactness under context
 parallelism is in test_families.py (the survey) and test_hybrid_families.py (packed rows,

@@ -60,10 +60,10 @@ build."""
 CONVERTED = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "granitemoehybrid", "bamba", "mamba2",
              "nemotron_h", "falcon_h1", "falcon_h1_norm", "jamba", "mamba", "falcon_mamba",
              "recurrent_gemma", "minimax")
-CONVERTED += ("zamba", "zamba2")  # Zamba hybrids (integrations/_hybrid_zamba.py)
-CONVERTED += ("lfm3", "zaya", "bailing_hybrid")  # more hybrids (integrations/_hybrid_more.py)
-CONVERTED += ("kimi_linear", "olmo_hybrid", "lara_mini")  # delta rules (_hybrid_delta.py)
-CONVERTED += ("rwkv", "xlstm")  # attention-free recurrences (integrations/_hybrid_rnn.py)
+CONVERTED += ("zamba", "zamba2")  # Zamba hybrids (integrations/transformers/mixers/mamba.py)
+CONVERTED += ("lfm3", "zaya", "bailing_hybrid")  # more hybrids (integrations/transformers/mixers/ (conv.py, delta.py))
+CONVERTED += ("kimi_linear", "olmo_hybrid", "lara_mini")  # delta rules (mixers/delta.py)
+CONVERTED += ("rwkv", "xlstm")  # attention-free recurrences (integrations/transformers/mixers/recurrent.py)
 
 REFUSED = {("recurrent_gemma", "padded"): "reads the padding positions"}
 """Cases refused on every rank (the message's words): RecurrentGemma's recurrent block does

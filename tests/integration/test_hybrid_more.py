@@ -1,4 +1,4 @@
-"""The families of ``integrations/_hybrid_more.py`` beyond the survey and the hybrid test.
+"""The families of ``integrations/transformers/mixers/ (conv.py, delta.py)`` beyond the survey and the hybrid test.
 
 * ZAYA with other convolution widths (cca_time0 = 3, cca_time1 = 2: each q/k reads the
   three tokens before it) equals one process at W = 2 and 3, plain, left-padded, packed and

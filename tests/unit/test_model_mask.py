@@ -46,7 +46,7 @@ def test_a_mask_united_with_another_is_marked_custom():
     from transformers import LlamaConfig
     from transformers import masking_utils as mu
 
-    from ringattn.integrations.transformers import _model_mask
+    from ringattn.integrations.transformers.attention import _model_mask
 
     config = LlamaConfig(vocab_size=97, hidden_size=64, num_hidden_layers=1,
                          num_attention_heads=4)

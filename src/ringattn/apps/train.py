@@ -530,7 +530,7 @@ def _trainer_classes():
     """(the context-parallel trainer class, the one-process trainer class)."""
     from transformers import Trainer
 
-    from ..integrations.hf_trainer import RingTrainer
+    from ..integrations.trainers.hf_trainer import RingTrainer
 
     class LMRingTrainer(_StepMetrics, RingTrainer):
         """``RingTrainer`` recording the step's token metrics."""

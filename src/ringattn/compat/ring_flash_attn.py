@@ -437,7 +437,7 @@ def _hf_attention(module, query, key, value, attention_mask=None, dropout=0.0, s
     ``output_attentions``, ``head_mask`` and any other argument are refused, as are models
     that ``integrations.transformers`` refuses by their config. A refusal found on one rank
     is raised on every rank (by the attention's agreement)."""
-    from ..integrations.transformers import NOT_ATTENTION_KWARGS, _config_problem
+    from ..integrations.transformers.checks import NOT_ATTENTION_KWARGS, _config_problem
 
     error = None
     try:

@@ -54,7 +54,7 @@ from ..layouts import DEFAULT_LAYOUT, local_positions
 from ..masks import _KeyPadding
 from ..sharding import shard
 from . import transformers as ra_hf
-from .hf_trainer import RingTrainer
+from .trainers.hf_trainer import RingTrainer
 
 __all__ = ["TTT_NAME", "PADDING_MODES", "TTTMask", "RingEagleModel", "EagleRingTrainer",
            "register", "shard_eagle_batch", "ttt_attention_forward", "served_draft",

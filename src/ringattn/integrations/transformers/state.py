@@ -30,8 +30,9 @@ import threading
 
 import torch
 
-__all__ = ["MISSING", "Call", "bind_context", "bound_call", "bound_context", "conversion",
-           "current_call", "missing_error", "owner", "record", "running_model"]
+__all__ = ["MISSING", "ROUTER_MARK", "Call", "ConvertedMixer", "bind_context", "bound_call",
+           "bound_context", "conversion", "current_call", "missing_error", "owner", "record",
+           "require_context", "running_model"]
 
 RECORD = "_ringattn_conversion"
 """Key, in a converted model's ``__dict__``, of what ``convert`` did to it (a dict)."""
@@ -40,6 +41,13 @@ _OWNER = "_ringattn_owner"
 _CONTEXT = "_ring_context"
 """Key, in a bound module's ``__dict__``, of the context of the call it is running in."""
 _TARGETS = "_ringattn_targets"
+ROUTER_MARK = "_ringattn_router"
+"""Attribute set on ``convert``'s global router loss hook: how checks find it on a model."""
+
+
+class ConvertedMixer:
+    """Base of every sequence-mixer class ``convert`` swaps in (``mixers/``): how checks tell
+    a converted layer from transformers' own."""
 _CP_ACTIVE = "_ringattn_context_parallel"  # set by context_parallel on the models it hooks
 
 
@@ -230,6 +238,23 @@ def bind_context(model, targets) -> None:
         unit.__class__ = _bound_class(type(unit))
         unit.__dict__[_TARGETS] = tuple(found)
         unit.register_forward_pre_hook(_layer_pre_hook, with_kwargs=True)
+
+
+def require_context(module):
+    """The ring context of the forward ``module`` runs in, for converted attention modules
+    that cannot run without one.
+
+    Raises:
+        ValueError: none (the model was not called with shard_batch's dict), or ``MISSING``.
+    """
+    ctx = bound_context(module)
+    if ctx is MISSING:
+        raise missing_error(module)
+    if ctx is None:
+        raise ValueError(
+            f"{type(module).__name__} (converted by ringattn's convert) needs the batch's "
+            f"ring_context: call the model with the dict from prepare_batch / shard_batch")
+    return ctx
 
 
 def missing_error(module) -> ValueError:

@@ -58,10 +58,13 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from ..comm import ROW_INTS, agree, collective, resolve_group
-from ..layouts import DEFAULT_LAYOUT
-from ..sharding import unshard
-from ..validate import check_strategy
+from ...comm import ROW_INTS, agree, collective, resolve_group
+from ...layouts import DEFAULT_LAYOUT
+from ...sharding import unshard
+from ...validate import check_strategy
+from .attention import check_attention
+from .batch import prepare_batch
+from .checks import check_model
 
 __all__ = ["average_gradients", "context_parallel"]
 
@@ -244,8 +247,6 @@ def context_parallel(model, group=None, *, layout: str = DEFAULT_LAYOUT, strateg
             it, or a manager is already active on it (or on a module it wraps or that wraps
             it); an unknown strategy. Per call: see the module doc.
     """
-    from .transformers import check_attention, check_model, prepare_batch
-
     inner = _unwrap(model)
     check_attention(inner)
     check_model(inner)

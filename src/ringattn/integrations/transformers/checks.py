@@ -1,0 +1,263 @@
+"""What ring attention runs exactly, what it refuses, and why: data and the checks that
+read it (the bottom of the transformers integration: it imports nothing above it).
+
+The tables below are filled by the files that implement each mechanism (``families/`` and
+``mixers/``, one file per mechanism, each registering its rows when the package is
+imported): adding a family that an existing mechanism serves is one row there. What
+``convert`` did to a model is read from the model instance (``state``): its modules'
+classes and its hooks, never its config, which other models may share.
+"""
+
+from __future__ import annotations
+
+from . import state
+
+__all__ = ["ATTENTION_FAMILIES", "BUILT_EAGER", "KWARGS_STOP", "MIXER_FAMILIES", "MIXER_LAYERS",
+           "NAME", "NOT_ATTENTION_KWARGS", "POSITIONS_FROM_MASK", "REFUSED", "check_model",
+           "converted", "convertible", "global_router_loss", "mixers_converted"]
+
+NAME = "ringattn"
+
+# -- the tables the mechanism files fill ------------------------------------------------------
+
+MIXER_LAYERS: dict = {}
+"""transformers' sequence-mixer class name -> the mixin of its converted class (``mixers/``)."""
+MIXER_FAMILIES: dict = {}
+"""model_type -> the ``mixers/`` file whose layers ``convert`` converts for it."""
+KWARGS_STOP: set = set()
+"""Mixer families whose model or blocks do not pass ``ring_context`` on to their mixers:
+their layers get the context of their model's forward (``state.bind_context``)."""
+ATTENTION_FAMILIES: dict = {}
+"""model_type -> the ``families/`` file that converts its attention (a family that computes
+attention itself, or whose layers drop the ring context)."""
+_RELATIVE_BIAS = (
+    "its attention adds to the scores a relative position bias computed from each query's "
+    "hidden state (a bank of bias-vs-distance profiles mixed per query and head, passed to "
+    "the attention function as a dense position_bias over slot distances)")
+REFUSED: dict = {
+    "qwen4_exp_text": (
+        "its indexed attention layers choose, for each query, the blocks of keys it attends "
+        "to from the content of every earlier key (the QSA indexer, a data-dependent sparse "
+        "mask built from the dense 4-D mask), which ring attention does not compute"),
+    "minimax_m3_vl_text": (
+        "its minimax_m3_sparse layers attend, for each query and key/value head, only to the "
+        "blocks of keys a learned indexer scores highest against every earlier key (a "
+        "data-dependent block-sparse mask), which ring attention does not compute (it has no "
+        "lightning-attention or other recurrent layer; a config of full_attention layers only "
+        "is a plain decoder)"),
+    "inkling_text": _RELATIVE_BIAS + ", which ring attention does not compute",
+    "inkling2_text": _RELATIVE_BIAS + " and a sink logit computed per query, which ring "
+                                      "attention does not compute",
+    "inkling2_loop_text": _RELATIVE_BIAS + " and a sink logit computed per query, which ring "
+                                           "attention does not compute (its loop, layers run "
+                                           "again per token, would be served)",
+}
+"""model_type -> why ``convert`` refuses the family: a sequence layer or an attention that
+ring attention does not compute (their other layers alone would convert)."""
+
+BUILT_EAGER = frozenset({"gpt_neo", "falcon"})
+"""Families whose constructor looks its attention class up by attn_implementation in a dict
+of its own (a bare KeyError for "ringattn"): built with "eager", then converted (``convert``
+replaces the attention modules and sets the config's attention implementation)."""
+
+
+def register_mixers(where: str, layers: dict, families, kwargs_stop=(), refused=None) -> None:
+    """Rows of a ``mixers/`` file: its layer classes, the families they complete, those
+    whose model drops ``ring_context``, and the families it refuses with their reason."""
+    MIXER_LAYERS.update(layers)
+    MIXER_FAMILIES.update(dict.fromkeys(families, where))
+    KWARGS_STOP.update(kwargs_stop)
+    REFUSED.update(refused or {})
+
+
+def register_attention(where: str, families) -> None:
+    """Rows of a ``families/`` file: the families whose attention it converts."""
+    ATTENTION_FAMILIES.update(dict.fromkeys(families, where))
+
+
+# -- what convert did to THIS model -----------------------------------------------------------
+
+def converted(model) -> bool:
+    """Whether ``convert`` ran on this model instance (its record is on the model; another
+    model built from the same config is not converted)."""
+    done = state.conversion(model)  # raises TypeError for a config
+    return bool(done and done.get("converted"))
+
+
+def global_router_loss(model) -> bool:
+    """Whether this model instance computes its router auxiliary loss globally (``convert``
+    put the global router loss hook on it), so ``output_router_logits=True`` is exact."""
+    state.conversion(model)  # raises TypeError for a config
+    return any(getattr(hook, state.ROUTER_MARK, False) for hook in model._forward_hooks.values())
+
+
+def mixers_converted(model) -> bool:
+    """Whether every sequence mixer of this model instance runs ringattn.mixers: it holds
+    converted layers and none of transformers' own (read from its modules' classes, not
+    from its config, which other models may share)."""
+    if state.conversion(model) is None:  # raises TypeError for a config
+        return False
+    found = False
+    for module in model.modules():
+        if isinstance(module, state.ConvertedMixer):
+            found = True
+        elif (type(module).__name__ in MIXER_LAYERS
+              and type(module).__module__.startswith("transformers.")):
+            return False
+    return found
+
+
+def convertible(model_type) -> bool:
+    """Whether ``convert`` replaces the attention of this family (which computes attention
+    itself: ``check_model`` on its class accepts it, on an unconverted model refuses it)."""
+    return model_type in ATTENTION_FAMILIES
+
+
+# -- the data ---------------------------------------------------------------------------------
+
+NOT_ATTENTION_KWARGS = frozenset({
+    "position_ids", "cache_position", "use_cache", "num_items_in_batch", "shift_labels",
+    "labels", "output_hidden_states", "return_dict", "past_key_values", "layer_idx",
+})
+"""Model kwargs that reach the attention function but do not change what it computes."""
+
+_ATTENTION_LAYER_TYPES = frozenset({
+    "full_attention", "sliding_attention", "chunked_attention", "attention", "global",
+    "local", "full", "sliding",
+})
+"""Entries of a config's per-layer type list that are attention layers."""
+
+_LAYER_TYPE_FIELDS = ("layer_types", "block_types", "layers_block_type", "layer_block_types")
+
+_OWN_MASKS = frozenset({"doge"})
+"""Families that compute a mask of their own (Doge's learned dynamic mask) from the one
+transformers builds: it cannot be sharded."""
+
+_TOP_K_KEYS = frozenset({"deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "dots3_note_text",
+                         "deepseek_v4"})
+"""Families whose attention keeps, for each query, only the keys an indexer scores highest
+among all keys of the sequence (DeepSeek sparse attention): a data-dependent key set per
+query, which no ring mask expresses."""
+
+_SEQUENCE_MIXERS = frozenset({
+    "jamba", "bamba", "falcon_h1", "falcon_mamba", "mamba", "mamba2", "zamba", "zamba2",
+    "recurrent_gemma", "lfm2", "lfm2_moe", "lfm2_vl", "qwen3_next", "minimax",
+    "granitemoehybrid", "nemotron_h", "rwkv", "xlstm", "plamo2", "kimi_linear",
+})
+"""Families with non-attention sequence layers, for configs that list no layer types."""
+
+
+def _config_problem(config, router: bool = True, mixers: bool = True, model=None) -> str | None:
+    """Why ring attention cannot give this model's exact result, or None (``router``,
+    ``mixers``: whether an unconverted router auxiliary loss, and unconverted sequence
+    mixers of a family ``convert`` serves, count). What ``convert`` did is read from
+    ``model``, the instance (None: a model nobody converted), never from the config."""
+    name = getattr(config, "model_type", type(config).__name__)
+    convert = (f" (convert it first: ringattn.integrations.transformers.convert(model))"
+               if name in MIXER_FAMILIES else f"; and {REFUSED[name]}" if name in REFUSED else "")
+    done = (model is not None and mixers_converted(model)) or (not mixers and name in MIXER_FAMILIES)
+    if name in _TOP_K_KEYS:
+        return (f"{name}'s indexer keeps each query's top {getattr(config, 'index_topk', 'k')} "
+                f"keys, scored against every key of the sequence (sparse attention): a key set "
+                f"chosen per query from the whole sequence, which ring attention cannot mask")
+    for field in _LAYER_TYPE_FIELDS:
+        if done:
+            break
+        kinds = getattr(config, field, None)
+        if isinstance(kinds, (list, tuple)):
+            other = sorted({str(k) for k in kinds} - _ATTENTION_LAYER_TYPES)
+            if other:
+                return (f"{name} has {field} {other}: those sequence layers would see only this "
+                        f"rank's shard of the sequence, not the whole of it{convert}")
+    if name in _OWN_MASKS:
+        return (f"{name} computes a dense attention mask of its own (learned from the inputs), "
+                f"which cannot be sharded")
+    if name in _SEQUENCE_MIXERS and not done:
+        return (f"{name} has sequence layers other than attention (state-space, linear "
+                f"attention or convolution), which would see only this rank's shard{convert}")
+    if (router and getattr(config, "output_router_logits", False)
+            and not (model is not None and global_router_loss(model))):
+        return (f"{name} adds a router auxiliary loss (output_router_logits=True), which each "
+                f"rank would normalise over its own tokens; convert the model "
+                f"(ringattn.integrations.transformers.convert) or set output_router_logits=False")
+    return None
+
+
+def _computes_attention_itself(what: str, config=None) -> str:
+    """check_model's message for a model that never calls the attention interface (with a
+    composite ``config``, one holding a ``text_config``, it says what is served instead)."""
+    composite = getattr(config, "text_config", None) is not None
+    return (f"{what} computes attention itself instead of calling transformers' attention "
+            f"interface, so attn_implementation={NAME!r} would never run and every rank would "
+            f"attend over its shard alone" + (
+                "; it is a composite model (its config has a text_config): for text "
+                "training, build its language model alone (AutoModelForCausalLM on the same "
+                "config or checkpoint), which ringattn checks and converts on its own"
+                if composite else ""))
+
+
+def check_model(model, config=None) -> None:
+    """Refuse a model that ring attention cannot run exactly on shards.
+
+    Arguments:
+        model: a transformers model, or a model CLASS (to check before building it: some
+            classes, such as Falcon's and GPT-Neo's, fail inside transformers'
+            constructor with a bare KeyError when asked for a registered attention name).
+        config: the config to check with a class (a model's own config otherwise). A class
+            is not refused for a router auxiliary loss or for sequence mixers that
+            ``convert`` makes global after building (``prepare_batch`` checks the built
+            model).
+
+    Raises:
+        ValueError: the model class computes attention itself (never calls the registered
+            function), or has non-attention sequence layers or per-rank losses.
+    """
+    cls = model if isinstance(model, type) else type(model)
+    config = getattr(model, "config", None) if config is None else config
+    family = getattr(config, "model_type", None)
+    if (isinstance(model, type) and family in BUILT_EAGER
+            and getattr(config, "_attn_implementation", None) == NAME):
+        raise ValueError(
+            f"{cls.__name__} cannot be built with attn_implementation={NAME!r}: transformers "
+            f"looks its attention class up in a dict of its own and raises KeyError. Build it "
+            f"with attn_implementation='eager', then call "
+            f"ringattn.integrations.transformers.convert(model)")
+    if family in REFUSED or family in _TOP_K_KEYS:  # its own reason before the generic one
+        reason = (_config_problem(config) if family in _TOP_K_KEYS
+                  else f"{family}: {REFUSED[family]}")
+        raise ValueError(f"ring attention cannot run {cls.__name__} exactly: {reason}")
+    if (hasattr(cls, "is_backend_compatible") and not cls.is_backend_compatible()
+            and family not in MIXER_FAMILIES and not (
+                convertible(family) if isinstance(model, type) else converted(model))):
+        raise ValueError(_computes_attention_itself(cls.__name__, config) + (
+            "; convert the model first (ringattn.integrations.transformers.convert)"
+            if convertible(family) else ""))
+    built = not isinstance(model, type)
+    problem = None if config is None or isinstance(config, property) else _config_problem(
+        config, router=built, mixers=built, model=model if built else None)
+    if problem is not None:
+        raise ValueError(f"ring attention cannot run {cls.__name__} exactly: {problem}")
+
+
+POSITIONS_FROM_MASK = frozenset({"opt"})
+"""Families whose position ids, when not given, count real tokens (``cumsum(mask) * mask
+- 1``: a left-padded row starts at 0 on its first real token) instead of slots. (BioGPT's
+learned positions count slots since transformers 5.24: its model makes slot position ids
+before its embedding could count the mask; the family survey checks it on left padding.)"""
+
+
+def _base_model_class(config):
+    """The transformers base model class of ``config``'s family (``AutoModel``'s mapping),
+    or None for a config it does not know."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    try:
+        return MODEL_MAPPING[type(config)]
+    except (KeyError, ValueError):
+        return None
+
+
+
+if __name__ == "__main__":  # a library module: name the programs, do not exit 0
+    from ringattn._program import not_a_program
+    not_a_program(__spec__)
