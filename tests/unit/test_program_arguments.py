@@ -213,18 +213,18 @@ def test_train_refuses_attention_dropout_before_ranks(tmp_path, no_ranks, capsys
     TrainConfig(model=model, steps=1).check_world(2)  # nothing left to refuse
 
 
-def test_train_refuses_what_ring_trainer_refuses_of_the_built_model(tmp_path, no_ranks,
-                                                                    capsys):
-    """A router auxiliary loss is refused by ``RingTrainer`` on the built model (the class
-    check passes it): now before the ranks start."""
-    from transformers import MixtralConfig
+def test_train_converts_a_router_loss_before_the_ranks_start(tmp_path):
+    """A router auxiliary loss (``output_router_logits=True``) was refused of the built model;
+    ``ringattn train`` now converts the model (the loss made global), and the check before
+    the ranks start converts the meta-built model the same way: it passes."""
+    from transformers import AutoConfig, MixtralConfig
+
+    from ringattn.apps.train import check_cp_model
 
     MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
                   num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
                   output_router_logits=True).save_pretrained(tmp_path / "moe")
-    line = _one_line_exit(capsys, _main("cli"), ["train", "--model", str(tmp_path / "moe"),
-                                                 "--seqlen", "32"])
-    assert "output_router_logits=True" in line and line.startswith("ringattn train: model=")
+    assert check_cp_model(AutoConfig.from_pretrained(tmp_path / "moe")) is None
 
 
 # --------------------------------------------------------------------------- Eagle3 resume
