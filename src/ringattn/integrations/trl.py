@@ -3,3 +3,8 @@ which holds the code."""
 
 from .trainers.trl import *  # noqa: F401,F403
 from .trainers.trl import __all__  # noqa: F401
+
+
+if __name__ == "__main__":  # a library module: name the programs, do not exit 0
+    from ringattn._program import not_a_program
+    not_a_program(__spec__)

@@ -14,3 +14,8 @@ from . import conv, delta, mamba, recurrent  # noqa: F401 (each registers its ro
 from .base import convert_mixers
 
 __all__ = ["convert_mixers"]
+
+
+if __name__ == "__main__":  # a library module: name the programs, do not exit 0
+    from ringattn._program import not_a_program
+    not_a_program(__spec__)
