@@ -294,3 +294,48 @@ def test_context_bound_to_its_forward(clusters):
         said = res["mixer outside its forward"]
         assert said.startswith("ValueError") and "context_parallel" in said \
             and "ring context" in said, (rank, said)
+
+
+def empty_rank_cases() -> dict:
+    """Rank function (W=3): converted hybrids under context_parallel on a sequence shorter
+    than W (a rank with no tokens), without DDP: the loss and, after average_gradients,
+    every gradient (the mixers' replicated parameters included) equal one process's."""
+    from ringattn.integrations import transformers as ra_hf
+
+    ra_hf.register()
+    results = {}
+    group = _new_group()
+    for name in ("bamba", "rwkv"):
+        for seqlen in (2,):  # S=1 has no target: one process's loss is 0/0 too
+            torch.manual_seed(seqlen)
+            ids = torch.randint(1, 97, (1, seqlen))
+            batch = dict(input_ids=ids, labels=ids.clone())
+            ref_model = build(name, "eager")
+            ref = ref_model(**batch, use_cache=False)
+            ref.loss.backward()
+            model = ra_hf.convert(build(name, "ringattn"))
+
+            def managed():
+                with ra_hf.context_parallel(model, group):
+                    out = model(**batch)
+                    out.loss.backward()
+                ra_hf.average_gradients(model, group)
+                missing = [n for n, p in model.named_parameters()
+                           if (p.grad is None) != (dict(ref_model.named_parameters())[n].grad is None)]
+                grads, ref_grads = _flat_grads(model).double(), _flat_grads(ref_model).double()
+                return {"loss": rel_err(out.loss.detach(), ref.loss),
+                        "grads": float((grads - ref_grads).norm() / ref_grads.norm()),
+                        "missing": float(len(missing))}
+
+            results[(name, seqlen)] = _outcome(managed)
+    dist.destroy_process_group(group)
+    return results
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_with_no_tokens_under_context_parallel(clusters):
+    for rank, res in enumerate(clusters(3).run(empty_rank_cases, timeout=240)):
+        for case, errs in res.items():
+            assert isinstance(errs, dict), (case, rank, errs)
+            assert errs.pop("missing") == 0, (case, rank)
+            _exact(errs, case, rank)
