@@ -438,9 +438,12 @@ def ring_attention(
             "contiguous" or "striped": how global tokens were placed on ranks. A tensor
             made by ``ringattn.shard`` remembers its layout, S and documents; passing it
             with others raises.
-        seqlen: the global S (any value >= 1). Defaults to cu_seqlens[-1], else
-            W * S_local. Shards hold ``layout.local_len(S, W)`` tokens; slots past S are
-            padding, masked as keys and yielding zeros as queries.
+        seqlen: the global S (any value >= 1). Defaults to cu_seqlens[-1], else the S a
+            ``ringattn.shard`` tag on q carries; an untagged q (a projection, reshape or
+            clone of a shard) without either is refused, since padded shards cannot be
+            told from unpadded ones (pass W * S_local for unpadded shards). Shards hold
+            ``layout.local_len(S, W)`` tokens; slots past S are padding, masked as keys and
+            yielding zeros as queries.
         mask: a ``ringattn.masks.Mask`` (or its int key from ``masks.mask_key``, which is
             what compiled code should pass: a graph guards on the int's value, not on the
             mask object): any function of GLOBAL (batch, head, q_pos,
