@@ -18,6 +18,7 @@ import torch.distributed as dist
 import ringattn as ra
 from ringattn.apps.eagle3_train import Eagle3Config, make_batches
 from ringattn.eagle3.draft import Eagle3Draft, decoder_layers, eagle3_step, run_target
+from families import _xlstm_weights
 from reference import rel_err
 from test_eagle3_training import step_errors
 
@@ -55,14 +56,7 @@ def _target(family: str):
                                 num_heads=4, eps=1e-3, pad_token_id=0, bos_token_id=1,
                                 eos_token_id=2)
         model = tf.xLSTMForCausalLM(config).float()
-        g = torch.Generator().manual_seed(3)
-        with torch.no_grad():
-            for block in model.backbone.blocks:
-                layer = block.mlstm_layer
-                for gate, scale in ((layer.igate_preact, 0.4), (layer.fgate_preact, 0.25)):
-                    gate.weight.copy_(torch.randn(gate.weight.shape, generator=g) * scale)
-                layer.igate_preact.bias.copy_(
-                    torch.linspace(-10.0, 2.0, layer.igate_preact.bias.numel()))
+        _xlstm_weights(model)  # the survey's gates, varied per token and head
     return model.eval().requires_grad_(False)
 
 

@@ -29,7 +29,8 @@ import torch.distributed as dist
 from families import build
 from reference import rel_err
 import ringattn as ra
-from test_families import GRAD_FLOOR, SEQLEN, TOL, _flat_grads
+from test_families import SEQLEN, TOL, _flat_grads
+from test_families import _errors as _survey_errors
 from test_hybrid_families import _per_document
 from test_transformers import _batch
 
@@ -45,26 +46,10 @@ def _same_config(model):
 
 
 def _errors(ref_model, ref, model, out, group, batch, cu=None) -> dict:
-    """Relative errors of a CP run against one process: gathered logits on real tokens, the
-    ranks' summed loss, every parameter's gradient summed over the ranks."""
-    seqlen = batch["input_ids"].shape[1]
-    loss = out.loss.detach().clone()
-    logits = ra.unshard(out.logits.detach(), group=group, seqlen=seqlen, cu_seqlens=cu)
-    grads = _flat_grads(model)
-    dist.all_reduce(loss, group=group)
-    dist.all_reduce(grads, group=group)
-    real = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
-    ref_grads = _flat_grads(ref_model).double()
-    floor = GRAD_FLOOR * float(ref_grads.norm())
-    worst, start = 0.0, 0
-    for p in ref_model.parameters():
-        d = grads[start:start + p.numel()].double() - ref_grads[start:start + p.numel()]
-        r = ref_grads[start:start + p.numel()]
-        start += p.numel()
-        err = float(d.norm()) / max(float(r.norm()), floor)
-        worst = max(worst, err if err == err else float("inf"))
-    return {"logits": rel_err(logits[real], ref.logits[real]), "loss": rel_err(loss, ref.loss),
-            "grads": worst}
+    """The survey's relative errors of a CP run against one process (any S, packed too)."""
+    errs = _survey_errors(batch, ref_model, ref, model, out, group, cu=cu)
+    errs.pop("worst_grad")
+    return errs
 
 
 def _reference(name, batch, **config):

@@ -424,10 +424,13 @@ def _context_parallel(name: str, batch: dict, group, path: str, layout: str = LA
     return model, out
 
 
-def _errors(batch: dict, ref_model, ref, model, out, group, layout: str = LAYOUT) -> dict:
-    """Relative errors of the CP run (gathered logits, summed loss and gradients)."""
+def _errors(batch: dict, ref_model, ref, model, out, group, layout: str = LAYOUT,
+            cu=None) -> dict:
+    """Relative errors of the CP run (gathered logits, summed loss and gradients); ``cu``:
+    the documents of a packed row."""
     loss = out.loss.detach().clone()
-    logits_BSV = ra.unshard(out.logits.detach(), group=group, layout=layout, seqlen=SEQLEN)
+    logits_BSV = ra.unshard(out.logits.detach(), group=group, layout=layout,
+                            seqlen=batch["input_ids"].shape[1], cu_seqlens=cu)
     grads = _flat_grads(model)
     dist.all_reduce(loss, group=group)
     dist.all_reduce(grads, group=group)

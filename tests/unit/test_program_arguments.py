@@ -20,21 +20,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def no_ranks(monkeypatch):
-    """Starting a rank (spawning, or joining a group) fails the test."""
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
-    def started(*args, **kwargs):
-        raise AssertionError("a rank was started before the arguments were checked")
-
-    monkeypatch.setattr(mp, "spawn", started)
-    monkeypatch.setattr(dist, "init_process_group", started)
-    for key in ("LOCAL_RANK", "WORLD_SIZE", "RANK"):
-        monkeypatch.delenv(key, raising=False)
-
-
 def _one_line_exit(capsys, fn, argv) -> str:
     capsys.readouterr()
     with pytest.raises(SystemExit) as exc:

@@ -7,7 +7,6 @@ Eagle3 run checkpoints its last step and evaluates on conversations it did not t
 from __future__ import annotations
 
 import json
-import os
 import pkgutil
 import re
 import subprocess
@@ -154,21 +153,6 @@ def test_ringattn_help_is_plain_text_and_lists_every_program(capsys):
 
 
 # --------------------------------------------------------------------------- one-line errors
-
-
-@pytest.fixture
-def no_ranks(monkeypatch):
-    """Starting a rank (spawning, or joining a group) fails the test."""
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
-    def started(*args, **kwargs):
-        raise AssertionError("a rank was started before the arguments were checked")
-
-    monkeypatch.setattr(mp, "spawn", started)
-    monkeypatch.setattr(dist, "init_process_group", started)
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
 
 
 def _one_line_exit(capsys, fn, argv) -> str:
