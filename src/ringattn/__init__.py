@@ -24,6 +24,7 @@ from .strategies.ring import ring_attention
 from .strategies.ulysses import ulysses_attention
 from .batch import RingContext, all_reduce_metrics, shard_batch
 from .comm import hybrid_mesh
+from .loss import tiled_lm_loss
 from .merge import merge
 from .sharding import positions, shard, unshard
 from .spec import AttnSpec
@@ -50,6 +51,7 @@ __all__ = [
     "ring_attention",
     "shard",
     "shard_batch",
+    "tiled_lm_loss",
     "ulysses_attention",
     "unshard",
     "varlen_attention",
