@@ -122,7 +122,7 @@ def _fwd_bwd(p: Point, method: str, group):
 
         def call(q, k, v, do):
             out = ringattn.ring_attention(q, k, v, group=group, causal=p.causal, layout=layout,
-                                          backward_overlap=overlap)
+                                          backward_overlap=overlap, seqlen=p.s)
             return torch.autograd.grad(out, (q, k, v), do)
     elif method == "torch-ring":
         def call(q, k, v, do):

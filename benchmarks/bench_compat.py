@@ -68,10 +68,11 @@ def pairs(iters: int) -> dict:
     cases = {
         "zigzag_ring_flash_attn_func": (
             lambda: rfa.zigzag_ring_flash_attn_func(q, k, v, causal=True),
-            lambda: ra.ring_attention(q, k, v, causal=True, layout="zigzag"), (q, k, v)),
+            lambda: ra.ring_attention(q, k, v, causal=True, layout="zigzag", seqlen=S), (q, k, v)),
         "stripe_flash_attn_qkvpacked_func": (
             lambda: rfa.stripe_flash_attn_qkvpacked_func(qkv, causal=True),
-            lambda: ra.ring_attention(*qkv.unbind(2), causal=True, layout="striped"), (qkv,)),
+            lambda: ra.ring_attention(*qkv.unbind(2), causal=True, layout="striped", seqlen=S),
+            (qkv,)),
         "zigzag_ring_flash_attn_varlen_func": (
             lambda: rfa.zigzag_ring_flash_attn_varlen_func(tq, tk, tv, local_cu, 2048 // world,
                                                            causal=True),
@@ -95,7 +96,8 @@ def pairs(iters: int) -> dict:
             uly = yc.UlyssesAttention()
             cases["yunchang.UlyssesAttention"] = (
                 lambda: uly(q, k, v, causal=True),
-                lambda: ra.ulysses_attention(q, k, v, causal=True, layout="contiguous"),
+                lambda: ra.ulysses_attention(q, k, v, causal=True, layout="contiguous",
+                                             seqlen=S),
                 (q, k, v))
     except ImportError:
         pass

@@ -171,7 +171,8 @@ def self_check(q_BSHD, k_BSHD, v_BSHD, dout_BSHD, *, group=None, causal: bool) -
     with torch.no_grad():
         q_l, k_l, v_l, do_l = (ringattn.shard(t, group=group, layout=layout) for t in (q_BSHD, k_BSHD, v_BSHD, dout_BSHD))
     q1, k1, v1 = leaves(q_l, k_l, v_l)
-    out1 = ringattn.ring_attention(q1, k1, v1, group=group, causal=causal, layout=layout)
+    out1 = ringattn.ring_attention(q1, k1, v1, group=group, causal=causal, layout=layout,
+                                   seqlen=s)
     g1 = torch.autograd.grad(out1, (q1, k1, v1), do_l)
 
     q2, k2, v2 = leaves(*(t.transpose(1, 2).contiguous() for t in (q_l, k_l, v_l)))
