@@ -61,13 +61,12 @@ of its own (a bare KeyError for "ringattn"): built with "eager", then converted 
 replaces the attention modules and sets the config's attention implementation)."""
 
 
-def register_mixers(where: str, layers: dict, families, kwargs_stop=(), refused=None) -> None:
-    """Rows of a ``mixers/`` file: its layer classes, the families they complete, those
-    whose model drops ``ring_context``, and the families it refuses with their reason."""
+def register_mixers(where: str, layers: dict, families, kwargs_stop=()) -> None:
+    """Rows of a ``mixers/`` file: its layer classes, the families they complete, and those
+    whose model drops ``ring_context``."""
     MIXER_LAYERS.update(layers)
     MIXER_FAMILIES.update(dict.fromkeys(families, where))
     KWARGS_STOP.update(kwargs_stop)
-    REFUSED.update(refused or {})
 
 
 def register_attention(where: str, families) -> None:
@@ -155,24 +154,29 @@ def _config_problem(config, router: bool = True, mixers: bool = True, model=None
     name = getattr(config, "model_type", type(config).__name__)
     convert = (f" (convert it first: ringattn.integrations.transformers.convert(model))"
                if name in MIXER_FAMILIES else f"; and {REFUSED[name]}" if name in REFUSED else "")
-    done = (model is not None and mixers_converted(model)) or (not mixers and name in MIXER_FAMILIES)
+    seen = []  # whether the mixers are converted: read from the model once, when asked
+
+    def done() -> bool:
+        if not seen:
+            seen.append((not mixers and name in MIXER_FAMILIES)
+                        or (model is not None and mixers_converted(model)))
+        return seen[0]
+
     if name in _TOP_K_KEYS:
         return (f"{name}'s indexer keeps each query's top {getattr(config, 'index_topk', 'k')} "
                 f"keys, scored against every key of the sequence (sparse attention): a key set "
                 f"chosen per query from the whole sequence, which ring attention cannot mask")
     for field in _LAYER_TYPE_FIELDS:
-        if done:
-            break
         kinds = getattr(config, field, None)
         if isinstance(kinds, (list, tuple)):
             other = sorted({str(k) for k in kinds} - _ATTENTION_LAYER_TYPES)
-            if other:
+            if other and not done():
                 return (f"{name} has {field} {other}: those sequence layers would see only this "
                         f"rank's shard of the sequence, not the whole of it{convert}")
     if name in _OWN_MASKS:
         return (f"{name} computes a dense attention mask of its own (learned from the inputs), "
                 f"which cannot be sharded")
-    if name in _SEQUENCE_MIXERS and not done:
+    if name in _SEQUENCE_MIXERS and not done():
         return (f"{name} has sequence layers other than attention (state-space, linear "
                 f"attention or convolution), which would see only this rank's shard{convert}")
     if (router and getattr(config, "output_router_logits", False)
