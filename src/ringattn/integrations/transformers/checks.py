@@ -152,7 +152,7 @@ def _config_problem(config, router: bool = True, mixers: bool = True, model=None
     mixers of a family ``convert`` serves, count). What ``convert`` did is read from
     ``model``, the instance (None: a model nobody converted), never from the config."""
     name = getattr(config, "model_type", type(config).__name__)
-    convert = (f" (convert it first: ringattn.integrations.transformers.convert(model))"
+    convert = (" (convert it first: ringattn.integrations.transformers.convert(model))"
                if name in MIXER_FAMILIES else f"; and {REFUSED[name]}" if name in REFUSED else "")
     seen = []  # whether the mixers are converted: read from the model once, when asked
 

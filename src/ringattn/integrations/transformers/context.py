@@ -99,7 +99,7 @@ from ...layouts import DEFAULT_LAYOUT, same_tag
 from ...sharding import positions, unshard
 from ...validate import check_strategy
 from .attention import check_attention
-from .batch import prepare_batch
+from .batch import shard_for
 from .checks import check_model
 
 __all__ = ["average_gradients", "context_parallel"]
@@ -515,8 +515,8 @@ def context_parallel(model, group=None, *, layout: str = DEFAULT_LAYOUT, strateg
         if "num_items_in_batch" in rest:  # the caller's global count (gradient accumulation)
             batch["num_items_in_batch"] = rest.pop("num_items_in_batch")
         count = batch.pop("num_items_in_batch", None)
-        local = prepare_batch(inner, batch, group=group, layout=layout, strategy=strategy,
-                              extra_keys=extra_keys, ignore_index=ignore_index)
+        local = shard_for(inner, batch, group=group, layout=layout, strategy=strategy,
+                          extra_keys=extra_keys, ignore_index=ignore_index)
         if batch.get("labels") is not None and local["ring_context"].cu_seqlens is not None:
             _targets_across_documents(local, batch["labels"], pg, layout, ignore_index)
         if count is not None and "num_items_in_batch" in local:
