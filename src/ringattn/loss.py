@@ -31,15 +31,27 @@ DEFAULT_TILE = 1024
 """Rows per tile: [1024, 152k] fp32 logits are 0.6 GB, and a larger tile gains little."""
 
 
-def _logits(h, weight, bias):
-    """A tile's logits, upcast to float32 as transformers upcasts them (float64 stays)."""
+def check_tile(tile, name: str = "tile") -> int:
+    """``tile`` if it is an int >= 1; else a TypeError or ValueError naming ``name``."""
+    if not isinstance(tile, int) or isinstance(tile, bool):
+        raise TypeError(f"{name} must be an int >= 1, got {tile!r}")
+    if tile < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {tile!r}")
+    return tile
+
+
+def _logits(h, weight, bias, logits_fn):
+    """A tile's logits: the head, the family's transform in the head's dtype (softcap,
+    scale), then upcast to float32 as transformers upcasts them (float64 stays)."""
     logits = torch.nn.functional.linear(h, weight, bias)
+    if logits_fn is not None:
+        logits = logits_fn(logits)
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
-def _tile_terms(h, weight, bias, target, valid, smoothing, z_coef):
-    """One tile's logits, their lse, and the sum of its loss terms over its valid rows."""
-    logits = _logits(h, weight, bias)  # [T, V]
+def _tile_loss(h, weight, bias, target, valid, smoothing, z_coef, logits_fn):
+    """The sum of one tile's loss terms over its valid rows (float32 or float64)."""
+    logits = _logits(h, weight, bias, logits_fn)  # [T, V]
     lse = torch.logsumexp(logits, dim=-1)  # [T]
     picked = logits.gather(1, target.clamp(min=0)[:, None])[:, 0]
     terms = (1.0 - smoothing) * (lse - picked)
@@ -47,67 +59,65 @@ def _tile_terms(h, weight, bias, target, valid, smoothing, z_coef):
         terms = terms + smoothing * (lse - logits.mean(dim=-1))
     if z_coef:
         terms = terms + z_coef * lse.square()
-    return logits, lse, (terms * valid).sum()
+    return torch.where(valid, terms, torch.zeros_like(terms)).sum()
 
 
 class _TiledLoss(torch.autograd.Function):
+    """Forward: the loss, tile by tile, keeping no logits. Backward: each tile's logits
+    recomputed and differentiated on their own (one tile's graph alive at a time), its
+    gradients of the hidden rows written in place and those of the head summed."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, denom, tile, smoothing, z_coef):
+    def forward(ctx, hidden, weight, bias, target, denom, tile, smoothing, z_coef, logits_fn):
         valid = target >= 0
         total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
         for start in range(0, hidden.shape[0], tile):
             sl = slice(start, start + tile)
-            _, _, part = _tile_terms(hidden[sl], weight, bias, target[sl], valid[sl],
-                                     smoothing, z_coef)
-            total = total + part
+            total = total + _tile_loss(hidden[sl], weight, bias, target[sl], valid[sl],
+                                       smoothing, z_coef, logits_fn)
         ctx.save_for_backward(hidden, weight, bias, target, denom)
-        ctx.tile, ctx.smoothing, ctx.z_coef = tile, smoothing, z_coef
+        ctx.options = (tile, smoothing, z_coef, logits_fn)
+        kind = hidden.device.type  # the backward recomputes under the forward's autocast
+        ctx.autocast = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
         ctx.has_bias = bias is not None
         return total / denom
 
     @staticmethod
     def backward(ctx, grad):
         hidden, weight, bias, target, denom = ctx.saved_tensors
+        tile, smoothing, z_coef, logits_fn = ctx.options
         if not ctx.has_bias:
             bias = None
-        work = torch.promote_types(hidden.dtype, torch.float32)
-        scale = grad.to(work) / denom
-        valid = (target >= 0).to(work)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        d_hidden = torch.empty_like(hidden) if need_h else None
-        d_weight = torch.zeros(weight.shape, dtype=work, device=weight.device) \
-            if need_w else None
-        d_bias = torch.zeros(bias.shape, dtype=work, device=bias.device) \
-            if need_b and bias is not None else None
-        vocab = weight.shape[0]
-        for start in range(0, hidden.shape[0], ctx.tile):
-            sl = slice(start, start + ctx.tile)
-            h, t = hidden[sl], target[sl]
-            logits = _logits(h, weight, bias)
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-            probs = torch.exp(logits - lse)  # softmax, in place of the logits' memory
-            del logits
-            coef = 1.0 + (2.0 * ctx.z_coef * lse if ctx.z_coef else 0.0)  # d(lse + z lse^2)
-            g = probs * coef
-            g.scatter_add_(1, t.clamp(min=0)[:, None],
-                           torch.full_like(lse, -(1.0 - ctx.smoothing)))
-            if ctx.smoothing:
-                g -= ctx.smoothing / vocab
-            g *= (valid[sl] * scale)[:, None]
-            g = g.to(weight.dtype)
+        need_b = need_b and bias is not None
+        scale = grad / denom
+        valid = target >= 0
+        d_hidden = torch.zeros_like(hidden) if need_h else None
+        d_weight = torch.zeros_like(weight) if need_w else None
+        d_bias = torch.zeros_like(bias) if need_b else None
+        w = weight.detach().requires_grad_(need_w)
+        b = None if bias is None else bias.detach().requires_grad_(need_b)
+        for start in range(0, hidden.shape[0], tile):
+            sl = slice(start, start + tile)
+            h = hidden[sl].detach().requires_grad_(need_h)
+            kind, enabled, dtype = ctx.autocast
+            with torch.enable_grad(), torch.autocast(kind, dtype=dtype, enabled=enabled):
+                part = _tile_loss(h, w, b, target[sl], valid[sl], smoothing, z_coef, logits_fn)
+                wanted = [x for x, need in ((h, need_h), (w, need_w), (b, need_b)) if need]
+                grads = list(torch.autograd.grad(part * scale, wanted))
             if need_h:
-                d_hidden[sl] = g @ weight
+                d_hidden[sl] = grads.pop(0)
             if need_w:
-                d_weight += (g.t() @ h).to(work)
-            if d_bias is not None:
-                d_bias += g.to(work).sum(0)
-        return (d_hidden, None if d_weight is None else d_weight.to(weight.dtype),
-                None if d_bias is None else d_bias.to(bias.dtype), None, None, None, None, None)
+                d_weight += grads.pop(0)
+            if need_b:
+                d_bias += grads.pop(0)
+        return d_hidden, d_weight, d_bias, None, None, None, None, None, None
 
 
 def tiled_lm_loss(hidden: torch.Tensor, lm_head, labels: torch.Tensor, *,
                   ignore_index: int = -100, num_items_in_batch=None, tile: int = DEFAULT_TILE,
-                  label_smoothing: float = 0.0, z_loss: float = 0.0) -> torch.Tensor:
+                  label_smoothing: float = 0.0, z_loss: float = 0.0,
+                  logits_fn=None) -> torch.Tensor:
     """The causal-LM loss of ``lm_head(hidden)`` against ``labels``, one tile of logits at a
     time (forward and backward).
 
@@ -123,6 +133,10 @@ def tiled_lm_loss(hidden: torch.Tensor, lm_head, labels: torch.Tensor, *,
         tile: rows of logits computed at once (>= 1).
         label_smoothing: PyTorch's ``cross_entropy(label_smoothing=)``, in [0, 1).
         z_loss: the coefficient of ``logsumexp(logits)^2`` per target (PaLM's z-loss).
+        logits_fn: None, or what the model does to the head's output before its loss,
+            applied to each tile's logits in the head's dtype (before the float32 upcast),
+            e.g. ``lambda x: torch.tanh(x / 30.0) * 30.0`` for a soft cap. It must act on
+            each row alone and keep the vocabulary width (it is differentiated per tile).
 
     Returns:
         A 0-d tensor (float32; float64 for float64 inputs): the sum of the targets' losses
@@ -141,6 +155,17 @@ def tiled_lm_loss(hidden: torch.Tensor, lm_head, labels: torch.Tensor, *,
         raise TypeError(f"lm_head must be a torch.nn.Linear or its [V, H] weight, got "
                         f"{type(lm_head).__name__} (a head that is not a plain linear map: "
                         f"softcapped or biased otherwise, is not served)")
+    return head_loss(hidden, weight, bias, labels, ignore_index=ignore_index,
+                     num_items_in_batch=num_items_in_batch, tile=tile,
+                     label_smoothing=label_smoothing, z_loss=z_loss, logits_fn=logits_fn)
+
+
+def head_loss(hidden, weight, bias, labels, *, ignore_index=-100, num_items_in_batch=None,
+              tile=DEFAULT_TILE, label_smoothing=0.0, z_loss=0.0, logits_fn=None):
+    """``tiled_lm_loss`` of the head ``(weight, bias)`` (bias None or [V]), for callers
+    holding a head's tensors rather than its module (an FSDP head's gathered weight)."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise TypeError(f"the head's weight must be a [V, H] tensor, got {type(weight).__name__}")
     if not isinstance(hidden, torch.Tensor) or not isinstance(labels, torch.Tensor):
         raise TypeError("hidden and labels must be tensors")
     if hidden.shape[:-1] != labels.shape or hidden.shape[-1] != weight.shape[1]:
@@ -148,8 +173,7 @@ def tiled_lm_loss(hidden: torch.Tensor, lm_head, labels: torch.Tensor, *,
                          f"{tuple(labels.shape)} plus the head's input size {weight.shape[1]}")
     if labels.dtype.is_floating_point or labels.dtype == torch.bool:
         raise TypeError(f"labels must be integer token ids, got {labels.dtype}")
-    if not isinstance(tile, int) or isinstance(tile, bool) or tile < 1:
-        raise ValueError(f"tile must be an int >= 1, got {tile!r}")
+    check_tile(tile)
     if not 0.0 <= float(label_smoothing) < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
     if float(z_loss) < 0.0 or float(z_loss) != float(z_loss):
@@ -169,8 +193,10 @@ def tiled_lm_loss(hidden: torch.Tensor, lm_head, labels: torch.Tensor, *,
         if bool(denom <= 0):
             raise ValueError(f"num_items_in_batch must be > 0, got {num_items_in_batch!r}")
     hidden2 = hidden.reshape(-1, hidden.shape[-1])
+    if logits_fn is not None and not callable(logits_fn):
+        raise TypeError(f"logits_fn must be callable or None, got {type(logits_fn).__name__}")
     return _TiledLoss.apply(hidden2, weight, bias, target.to(hidden.device), denom, tile,
-                            float(label_smoothing), float(z_loss))
+                            float(label_smoothing), float(z_loss), logits_fn)
 
 
 if __name__ == "__main__":  # a library module: name the programs, do not exit 0

@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "src" / "ringattn" / "integrations" / "transformers"
 LEVELS = {"state": 0, "checks": 1, "attention": 2, "families": 3, "mixers": 3, "convert": 4,
-          "batch": 4, "context": 5, "__init__": 6}
+          "batch": 4, "head": 4, "context": 5, "__init__": 6}
 """Each module's (or subpackage's) level: a module imports only from lower levels, or from
 its own subpackage."""
 

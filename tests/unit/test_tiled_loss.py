@@ -95,3 +95,50 @@ def test_bad_input_is_refused_by_name():
         ra.tiled_lm_loss(hidden[:, :-1], head, labels)
     with pytest.raises(TypeError, match="integer token ids"):
         ra.tiled_lm_loss(hidden, head, labels.float())
+    with pytest.raises(TypeError, match="tile must be an int"):
+        ra.tiled_lm_loss(hidden, head, labels, tile=1.5)
+    with pytest.raises(TypeError, match="logits_fn must be callable"):
+        ra.tiled_lm_loss(hidden, head, labels, logits_fn=30.0)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
+@pytest.mark.parametrize("fn", [lambda x: torch.tanh(x / 3.0) * 3.0, lambda x: x * 0.0625,
+                                lambda x: x / 4.0])
+def test_a_transform_of_the_logits_is_followed(dtype, tol, fn):
+    """A soft cap or a scale on the head's output (Gemma 2, Cohere, Granite): the loss of
+    the transformed logits, and its gradients through the transform."""
+    hidden, head, labels = _case(dtype)
+    logits = fn(F.linear(hidden, head.weight, head.bias)).reshape(-1, 37)
+    want = F.cross_entropy(logits.to(torch.promote_types(dtype, torch.float32)),
+                           labels.reshape(-1), ignore_index=-100)
+    got = ra.tiled_lm_loss(hidden, head, labels, tile=4, logits_fn=fn)
+    assert abs(float(got) - float(want)) <= tol * abs(float(want))
+    for a, b in zip(_grads(got, hidden, head.weight, head.bias),
+                    _grads(want, hidden, head.weight, head.bias)):
+        assert float((a.double() - b.double()).norm()) <= tol * 10 * float(b.double().norm())
+    plain = ra.tiled_lm_loss(hidden, head, labels, tile=4)
+    assert abs(float(plain) - float(want)) > 1e3 * tol * abs(float(want))  # it matters here
+
+
+def test_bfloat16_autocast_is_recomputed_as_in_the_forward():
+    """Under autocast the backward recomputes each tile in the forward's dtype: with one
+    tile, loss and gradients equal the untiled ones under the same autocast bit for bit
+    (a float32 recompute would differ by about 4e-3); with tiles, the hidden states'
+    gradient still does, and the head's differs only by summing bfloat16 tile products."""
+    hidden, head, labels = _case(torch.float32)
+
+    def run(fn):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = fn()
+        return loss, _grads(loss, hidden, head.weight, head.bias)
+
+    want, w_grads = run(lambda: F.cross_entropy(
+        F.linear(hidden, head.weight, head.bias).float().reshape(-1, 37), labels.reshape(-1),
+        ignore_index=-100))
+    one, one_grads = run(lambda: ra.tiled_lm_loss(hidden, head, labels, tile=1000))
+    assert torch.equal(one, want) and all(torch.equal(a, b) for a, b in zip(one_grads, w_grads))
+    got, g_grads = run(lambda: ra.tiled_lm_loss(hidden, head, labels, tile=3))
+    assert abs(float(got) - float(want)) <= 1e-5 * abs(float(want))
+    assert torch.equal(g_grads[0], w_grads[0])
+    for a, b in zip(g_grads[1:], w_grads[1:]):
+        assert float((a - b).norm()) <= 1e-2 * float(b.norm())

@@ -123,8 +123,9 @@ from ...validate import check_strategy
 from ...batch import shard_batch
 from ...comm import hybrid_mesh
 from ...layouts import DEFAULT_LAYOUT
+from ...loss import DEFAULT_TILE, check_tile
 from ...sharding import unshard
-from ..transformers import check_attention, check_model
+from ..transformers import check_attention, check_model, tiled_call
 
 _SAMPLING = ("random", "sequential")
 
@@ -156,6 +157,11 @@ class RingTrainerMixin:
             prediction run the whole eval set on every dp replica (redundant, exact).
             With ``TrainingArguments(parallelism_config=...)``, None or the config's
             cp_size (the config then gives the mesh, and FSDP2 shards the parameters).
+        loss_tile: the training loss is computed from the decoder's hidden states in tiles
+            of this many tokens (``ringattn.tiled_lm_loss``: never more than one tile's
+            logits alive; the same loss and gradients); None: the model's own untiled
+            loss. Families whose head the tiles cannot follow run untiled
+            (``integrations.transformers.head.tile_problem``). Evaluation is untiled.
 
     Raises:
         ValueError: a model whose attention is not ring attention
@@ -173,8 +179,10 @@ class RingTrainerMixin:
     loss_is_scaled_for_ga = True
 
     def __init__(self, *args, layout: str = DEFAULT_LAYOUT, cp_size: int | None = None,
-                 strategy: str = "ring", ulysses_size: int = 8, **kwargs):
+                 strategy: str = "ring", ulysses_size: int = 8,
+                 loss_tile: int | None = DEFAULT_TILE, **kwargs):
         super().__init__(*args, **kwargs)
+        self.loss_tile = None if loss_tile is None else check_tile(loss_tile, "loss_tile")
         if not dist.is_initialized():
             raise ValueError(f"{type(self).__name__} needs torch.distributed initialised: "
                              "launch it with torchrun, or accelerate launch with a distributed_type: MULTI_GPU "
@@ -363,8 +371,11 @@ class RingTrainerMixin:
         local = inputs if "ring_context" in inputs else self._shard(inputs)
         if num_items_in_batch is not None:
             local = {**local, "num_items_in_batch": num_items_in_batch}
-        outputs = model(**local, use_cache=False)
+        call = tiled_call(self.model, local, self.loss_tile)  # None: the model's own loss
+        outputs = model(**(local if call is None else call.kwargs), use_cache=False)
         local["ring_context"].check_consumed(self.model)  # named as built, not as wrapped (DDP)
+        if call is not None:
+            outputs = call.finish(outputs)
         loss = outputs.loss * self.accelerator.num_processes
         return (loss, outputs) if return_outputs else loss
 

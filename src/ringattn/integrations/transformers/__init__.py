@@ -51,17 +51,20 @@ from .checks import (BUILT_EAGER, MIXER_FAMILIES, NAME, NOT_ATTENTION_KWARGS, PO
                      check_model, converted, convertible, global_router_loss, mixers_converted)
 from .context import average_gradients, context_parallel
 from .convert import convert
+from .head import tile_problem, tiled_call
 from .mixers import convert_mixers
 
 __all__ = ["average_gradients", "check_consumed", "check_model", "context_parallel", "convert",
            "prepare_batch", "register"]
 _DOCUMENTED = (BUILT_EAGER, NAME, NOT_ATTENTION_KWARGS, POSITIONS_FROM_MASK, ModelMask,
                check_attention, converted, convertible, convert_mixers, global_router_loss,
-               mixers_converted, ring_attention_forward)
+               mixers_converted, ring_attention_forward, tile_problem, tiled_call)
 """The face. Also importable, as documented: ``NAME``, ``CONVERTIBLE``, ``BUILT_EAGER``,
 ``check_attention``, ``converted``, ``global_router_loss``, ``mixers_converted``,
 ``convertible``, ``convert_mixers`` (the mixer half of ``convert``), ``ModelMask``,
-``ring_attention_forward``, ``NOT_ATTENTION_KWARGS``, ``POSITIONS_FROM_MASK``."""
+``ring_attention_forward``, ``NOT_ATTENTION_KWARGS``, ``POSITIONS_FROM_MASK``,
+``tile_problem`` (why a model's loss runs untiled) and ``tiled_call`` (the tiled loss of
+one forward, for a trainer of one's own)."""
 
 CONVERTIBLE = frozenset(MIXER_FAMILIES)
 """model_type of the hybrid families whose sequence mixers ``convert`` serves (the rows of

@@ -42,6 +42,10 @@ the shard; nothing else is hooked and nothing is patched):
 * after the forward: ``out.loss`` (this rank's share of the global mean) is summed over the
   group, so every rank holds the one-process loss; with ``gather_logits=True`` the logits
   of the whole sequence ([B, S, V], O(S V) memory per rank) replace the local ones.
+* with labels, the loss is computed in tiles (``loss_tile``, on by default: the decoder's
+  hidden states against the shard's targets, one tile of logits alive at a time, forward
+  and backward; ``ringattn.tiled_lm_loss``) and ``out.logits`` is None; ``loss_tile=None``
+  or ``gather_logits=True`` keep the model's own untiled loss and its logits.
 
 Targets: ``out.loss`` counts exactly the targets the model's own loss counts on the whole
 batch in one process (token i predicts ``labels[i + 1]`` unless that is ``ignore_index``):
@@ -96,11 +100,13 @@ import torch.distributed as dist
 from ... import comm
 from ...comm import ROW_INTS, agree, collective, resolve_group
 from ...layouts import DEFAULT_LAYOUT, same_tag
+from ...loss import DEFAULT_TILE, check_tile
 from ...sharding import positions, unshard
 from ...validate import check_strategy
 from .attention import check_attention
 from .batch import shard_for
 from .checks import check_model
+from .head import tiled_call
 
 __all__ = ["average_gradients", "context_parallel"]
 
@@ -445,7 +451,8 @@ def average_gradients(model, group=None) -> None:
 
 @contextlib.contextmanager
 def context_parallel(model, group=None, *, layout: str = DEFAULT_LAYOUT, strategy: str = "ring",
-                     gather_logits: bool = False, extra_keys=(), ignore_index: int = -100):
+                     gather_logits: bool = False, extra_keys=(), ignore_index: int = -100,
+                     loss_tile: int | None = DEFAULT_TILE):
     """Shard every batch ``model`` is called with over ``group``; make the loss global.
 
     Arguments:
@@ -456,6 +463,12 @@ def context_parallel(model, group=None, *, layout: str = DEFAULT_LAYOUT, strateg
         layout, strategy, extra_keys, ignore_index: as for ``ringattn.shard_batch``.
         gather_logits: replace ``out.logits`` (this rank's shard [B, L, V], in the layout's
             order) by the whole sequence's [B, S, V] on every rank (O(S V) memory).
+        loss_tile: with labels, compute the loss from the decoder's hidden states in tiles
+            of this many tokens (``ringattn.tiled_lm_loss``: one tile's logits alive at a
+            time, forward and backward; the same loss and gradients), ``out.logits`` then
+            None; None: the model's own untiled loss and logits. Families whose head the
+            tiles cannot follow run untiled (``head.tile_problem``); ``gather_logits``
+            turns tiling off.
 
     Yields:
         ``model``. Inside, ``model(**batch)`` with the GLOBAL batch (the same on every rank)
@@ -490,7 +503,12 @@ def context_parallel(model, group=None, *, layout: str = DEFAULT_LAYOUT, strateg
                              f"extra_keys, got {len(extra_keys)}")
     except (TypeError, ValueError) as exc:
         error = exc
+    if loss_tile is not None:
+        loss_tile = check_tile(loss_tile, "loss_tile")
+    if gather_logits:
+        loss_tile = None
     settings = {"layout": layout, "strategy": strategy, "gather_logits": bool(gather_logits),
+                "loss_tile": loss_tile,
                 "extra_keys": extra_keys, "ignore_index": ignore_index,
                 "the model's class": f"{type(inner).__module__}.{type(inner).__qualname__}"}
     texts = {k: _canonical(v) for k, v in settings.items()}
@@ -522,11 +540,21 @@ def context_parallel(model, group=None, *, layout: str = DEFAULT_LAYOUT, strateg
         if count is not None and "num_items_in_batch" in local:
             local["num_items_in_batch"] = count
         current["ctx"] = local["ring_context"]
+        stale = current.pop("call", None)
+        if stale is not None:  # an earlier call that raised before its forward hook ran
+            stale.abandon()
+        call = tiled_call(inner, local, loss_tile, ignore_index) if "shift_labels" in local \
+            else None
+        if call is not None:
+            current["call"], local = call, call.kwargs
         return (), {**rest, **local, "use_cache": False}
 
     def after(module, args, kwargs, output):
         ctx = current.pop("ctx")
         ctx.check_consumed(inner)
+        call = current.pop("call", None)
+        if call is not None:
+            output = call.finish(output)
         if getattr(output, "loss", None) is not None:
             output["loss"] = _GlobalLoss.apply(output.loss, pg, world)
         if gather_logits and getattr(output, "logits", None) is not None:
