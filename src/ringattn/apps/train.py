@@ -533,7 +533,11 @@ def _trainer_classes():
     from ..integrations.trainers.hf_trainer import RingTrainer
 
     class LMRingTrainer(_StepMetrics, RingTrainer):
-        """``RingTrainer`` recording the step's token metrics."""
+        """``RingTrainer`` recording the step's token metrics (accuracy and the copy task's
+        metrics read every logit of the shard: the loss is not tiled)."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, loss_tile=None, **kwargs)
 
     class LMTrainer(_StepMetrics, Trainer):
         """transformers' ``Trainer`` recording the step's token metrics."""

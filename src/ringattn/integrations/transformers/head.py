@@ -147,8 +147,15 @@ class _Call:
                        # the model's own loss is then its router loss alone; a count keeps
                        # its empty cross-entropy 0, not a mean over no target
                        "num_items_in_batch": 1 if self.count is None else self.count}
-        self.hidden = []
-        self.handle = _decoder(model).register_forward_hook(self._keep)
+        self.hidden, self.autocast = [], None
+        self.handles = [_decoder(model).register_forward_hook(self._keep),
+                        model.get_output_embeddings().register_forward_pre_hook(self._mode)]
+
+    def _mode(self, module, args):
+        """The autocast the head ran under (accelerate's mixed precision wraps the model's
+        forward in one): the check and the tiles run under it too."""
+        kind = module.weight.device.type
+        self.autocast = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
 
     def _keep(self, module, args, output):
         if not self.hidden:
@@ -157,7 +164,14 @@ class _Call:
             self.hidden.append(first)
 
     def finish(self, output):
-        self.handle.remove()
+        self.abandon()
+        if self.autocast is None:
+            return self._finish(output)
+        kind, enabled, dtype = self.autocast
+        with torch.autocast(kind, dtype=dtype, enabled=enabled):
+            return self._finish(output)
+
+    def _finish(self, output):
         model = self.model
         on_logits, on_input, key = _transform(model)
         head = model.get_output_embeddings()
@@ -178,11 +192,17 @@ class _Call:
                 mine = torch.nn.functional.linear(kept if on_input is None else on_input(kept),
                                                   weight, bias)
                 mine = mine if on_logits is None else on_logits(mine)
-            if mine.dtype != output.logits.dtype or not torch.equal(mine, output.logits):
+            # equal values; the model's may have been upcast after it (accelerate's mixed
+            # precision returns float32 outputs)
+            if (mine.shape != output.logits.shape
+                    or not torch.equal(mine.to(output.logits.dtype), output.logits)):
+                diff = (float((mine.double() - output.logits.double()).abs().max())
+                        if mine.shape == output.logits.shape else None)
                 error = ValueError(
                     f"{type(model).__name__} ({_text_config(model).model_type}) transforms its "
-                    f"head's logits otherwise than ringattn's table says ({key}): its loss "
-                    f"cannot be computed in tiles; pass loss_tile=None")
+                    f"head's logits otherwise than ringattn's table says ({key}; largest "
+                    f"difference {diff}, {output.logits.dtype} logits, {mine.dtype} from the "
+                    f"head): its loss cannot be computed in tiles; pass loss_tile=None")
         if model.__dict__.get(_RECORD) != key:  # the first call: every rank agrees
             agree(resolve_group(self.ctx.group), {"the output head's check": 0}, error,
                   what="the tiled loss's head check")
@@ -198,7 +218,8 @@ class _Call:
         return output
 
     def abandon(self):
-        self.handle.remove()
+        for handle in self.handles:
+            handle.remove()
 
 
 def tiled_call(model, local: dict, tile: int | None, ignore_index: int = -100):
