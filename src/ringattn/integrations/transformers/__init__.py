@@ -53,18 +53,20 @@ from .context import average_gradients, context_parallel
 from .convert import convert
 from .head import tile_problem, tiled_call
 from .mixers import convert_mixers
+from .tiled_mlp import tile_mlp, tiled_mlps
 
 __all__ = ["average_gradients", "check_consumed", "check_model", "context_parallel", "convert",
-           "prepare_batch", "register"]
+           "prepare_batch", "register", "tile_mlp"]
 _DOCUMENTED = (BUILT_EAGER, NAME, NOT_ATTENTION_KWARGS, POSITIONS_FROM_MASK, ModelMask,
                check_attention, converted, convertible, convert_mixers, global_router_loss,
-               mixers_converted, ring_attention_forward, tile_problem, tiled_call)
+               mixers_converted, ring_attention_forward, tile_problem, tiled_call, tiled_mlps)
 """The face. Also importable, as documented: ``NAME``, ``CONVERTIBLE``, ``BUILT_EAGER``,
 ``check_attention``, ``converted``, ``global_router_loss``, ``mixers_converted``,
 ``convertible``, ``convert_mixers`` (the mixer half of ``convert``), ``ModelMask``,
 ``ring_attention_forward``, ``NOT_ATTENTION_KWARGS``, ``POSITIONS_FROM_MASK``,
 ``tile_problem`` (why a model's loss runs untiled) and ``tiled_call`` (the tiled loss of
-one forward, for a trainer of one's own)."""
+one forward, for a trainer of one's own), ``tiled_mlps`` (the tile ``tile_mlp`` gave a
+model)."""
 
 CONVERTIBLE = frozenset(MIXER_FAMILIES)
 """model_type of the hybrid families whose sequence mixers ``convert`` serves (the rows of
