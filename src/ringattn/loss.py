@@ -5,13 +5,16 @@ Legend: N tokens of this rank (B x L flattened), H hidden size, V vocabulary, T 
 At long context the logits dominate a training step: [N, V] in fp32 is 19.5 GB at
 N = 32k and V = 152k, and their gradient as much again. ``tiled_lm_loss`` never holds the
 logits of more than one tile (a few [T, V] buffers: the logits, their softmax, its
-gradient): the forward computes each tile's logits, its log-sum-exp
-and its loss terms, and keeps nothing of them; the backward recomputes each tile's logits
-and turns them into that tile's gradient of the hidden states and of the head at once.
-What is computed is exactly transformers' causal-LM loss of the untiled logits (the
-logits of ``lm_head`` in its dtype, then in float32 (float64 inputs stay float64), cross-entropy summed and divided by
-``num_items_in_batch`` or by the count of targets), with PyTorch's label smoothing and an
-optional z-loss; fp32 results equal the untiled computation within rounding.
+gradient): the forward computes each tile's logits, its loss terms and, when a gradient
+will be asked for, their gradients of the tile's hidden rows and of the head, and keeps
+none of the logits; the backward scales those gradients by the loss's (the loss is linear
+in it), so nothing is recomputed: three products with the head's weight per token, as
+untiled. It holds [N, H] and the head's [V, H] gradient (float32) from the forward to the
+backward. What is computed is exactly transformers' causal-LM loss of the untiled logits
+(the logits of ``lm_head`` in its dtype, then in float32 (float64 inputs stay float64),
+cross-entropy summed and divided by ``num_items_in_batch`` or by the count of targets),
+with PyTorch's label smoothing and an optional z-loss; fp32 results equal the untiled
+computation within rounding.
 
 Under context parallelism it takes this rank's shard of the hidden states and the targets
 ``ringattn.shard_batch`` gives each local token (``shift_labels``: shifted on the global
@@ -63,55 +66,52 @@ def _tile_loss(h, weight, bias, target, valid, smoothing, z_coef, logits_fn):
 
 
 class _TiledLoss(torch.autograd.Function):
-    """Forward: the loss, tile by tile, keeping no logits. Backward: each tile's logits
-    recomputed and differentiated on their own (one tile's graph alive at a time), its
-    gradients of the hidden rows written in place and those of the head summed."""
+    """Forward: tile by tile, each tile's logits, its loss terms and (when a gradient will
+    be asked for) their gradients of the tile's hidden rows and of the head, at once: one
+    tile's graph alive at a time, no logits kept, nothing recomputed. Backward: those
+    gradients times the loss's gradient (the loss is linear in it)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, denom, tile, smoothing, z_coef, logits_fn):
+    def forward(ctx, hidden, weight, bias, target, denom, tile, smoothing, z_coef, logits_fn,
+                want):
         valid = target >= 0
-        total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
-        for start in range(0, hidden.shape[0], tile):
-            sl = slice(start, start + tile)
-            total = total + _tile_loss(hidden[sl], weight, bias, target[sl], valid[sl],
-                                       smoothing, z_coef, logits_fn)
-        ctx.save_for_backward(hidden, weight, bias, target, denom)
-        ctx.options = (tile, smoothing, z_coef, logits_fn)
-        kind = hidden.device.type  # the backward recomputes under the forward's autocast
-        ctx.autocast = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
-        ctx.has_bias = bias is not None
-        return total / denom
-
-    @staticmethod
-    def backward(ctx, grad):
-        hidden, weight, bias, target, denom = ctx.saved_tensors
-        tile, smoothing, z_coef, logits_fn = ctx.options
-        if not ctx.has_bias:
-            bias = None
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        need_b = need_b and bias is not None
-        scale = grad / denom
-        valid = target >= 0
+        work = torch.promote_types(hidden.dtype, torch.float32)
+        total = hidden.new_zeros((), dtype=work)
+        need_h, need_w = want and hidden.requires_grad, want and weight.requires_grad
+        need_b = want and bias is not None and bias.requires_grad
         d_hidden = torch.zeros_like(hidden) if need_h else None
-        d_weight = torch.zeros_like(weight) if need_w else None
-        d_bias = torch.zeros_like(bias) if need_b else None
+        d_weight = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, work),
+                               device=weight.device) if need_w else None
+        d_bias = torch.zeros(bias.shape, dtype=torch.promote_types(bias.dtype, work),
+                             device=bias.device) if need_b else None
         w = weight.detach().requires_grad_(need_w)
         b = None if bias is None else bias.detach().requires_grad_(need_b)
         for start in range(0, hidden.shape[0], tile):
             sl = slice(start, start + tile)
             h = hidden[sl].detach().requires_grad_(need_h)
-            kind, enabled, dtype = ctx.autocast
-            with torch.enable_grad(), torch.autocast(kind, dtype=dtype, enabled=enabled):
+            with torch.enable_grad():
                 part = _tile_loss(h, w, b, target[sl], valid[sl], smoothing, z_coef, logits_fn)
                 wanted = [x for x, need in ((h, need_h), (w, need_w), (b, need_b)) if need]
-                grads = list(torch.autograd.grad(part * scale, wanted))
+                grads = list(torch.autograd.grad(part / denom, wanted)) if wanted else []
+            total = total + part.detach()
             if need_h:
                 d_hidden[sl] = grads.pop(0)
             if need_w:
                 d_weight += grads.pop(0)
             if need_b:
                 d_bias += grads.pop(0)
-        return d_hidden, d_weight, d_bias, None, None, None, None, None, None
+        ctx.save_for_backward(d_hidden, d_weight, d_bias)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return total / denom
+
+    @staticmethod
+    def backward(ctx, grad):
+        d_hidden, d_weight, d_bias = ctx.saved_tensors
+        w_dtype, b_dtype = ctx.dtypes
+        scaled = [None if d is None else (d * grad.to(d.dtype)).to(dt)
+                  for d, dt in ((d_hidden, d_hidden.dtype if d_hidden is not None else None),
+                                (d_weight, w_dtype), (d_bias, b_dtype))]
+        return (*scaled, None, None, None, None, None, None, None)
 
 
 def tiled_lm_loss(hidden: torch.Tensor, lm_head, labels: torch.Tensor, *,
@@ -195,8 +195,10 @@ def head_loss(hidden, weight, bias, labels, *, ignore_index=-100, num_items_in_b
     hidden2 = hidden.reshape(-1, hidden.shape[-1])
     if logits_fn is not None and not callable(logits_fn):
         raise TypeError(f"logits_fn must be callable or None, got {type(logits_fn).__name__}")
+    want = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias))
     return _TiledLoss.apply(hidden2, weight, bias, target.to(hidden.device), denom, tile,
-                            float(label_smoothing), float(z_loss), logits_fn)
+                            float(label_smoothing), float(z_loss), logits_fn, want)
 
 
 if __name__ == "__main__":  # a library module: name the programs, do not exit 0
