@@ -8,9 +8,9 @@ logits of more than one tile (a few [T, V] buffers: the logits, their softmax, i
 gradient): the forward computes each tile's logits, its loss terms and, when a gradient
 will be asked for, their gradients of the tile's hidden rows and of the head, and keeps
 none of the logits; the backward scales those gradients by the loss's (the loss is linear
-in it), so nothing is recomputed: three products with the head's weight per token, as
-untiled. It holds [N, H] and the head's [V, H] gradient (float32) from the forward to the
-backward. What is computed is exactly transformers' causal-LM loss of the untiled logits
+in it, in place), so nothing is recomputed: three products with the head's weight per
+token, as untiled. It holds [N, H] and the head's [V, H] gradient (float32) from the
+forward to the backward; one backward per forward (``retain_graph`` raises). What is computed is exactly transformers' causal-LM loss of the untiled logits
 (the logits of ``lm_head`` in its dtype, then in float32 (float64 inputs stay float64),
 cross-entropy summed and divided by ``num_items_in_batch`` or by the count of targets),
 with PyTorch's label smoothing and an optional z-loss; fp32 results equal the untiled
@@ -100,18 +100,24 @@ class _TiledLoss(torch.autograd.Function):
                 d_weight += grads.pop(0)
             if need_b:
                 d_bias += grads.pop(0)
-        ctx.save_for_backward(d_hidden, d_weight, d_bias)
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        # held on ctx, not saved: the backward scales them in place and hands them out
+        ctx.grads = (d_hidden, d_weight, d_bias)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return total / denom
 
     @staticmethod
     def backward(ctx, grad):
-        d_hidden, d_weight, d_bias = ctx.saved_tensors
-        w_dtype, b_dtype = ctx.dtypes
-        scaled = [None if d is None else (d * grad.to(d.dtype)).to(dt)
-                  for d, dt in ((d_hidden, d_hidden.dtype if d_hidden is not None else None),
-                                (d_weight, w_dtype), (d_bias, b_dtype))]
-        return (*scaled, None, None, None, None, None, None, None)
+        if ctx.grads is None:
+            raise RuntimeError("tiled_lm_loss: its backward already ran (its gradients, "
+                               "computed in the forward, were handed out): a second backward "
+                               "through the same loss (retain_graph) is not supported")
+        grads, ctx.grads = ctx.grads, None
+        out = []
+        for d, dtype in zip(grads, ctx.dtypes):
+            if d is not None:
+                d = d.mul_(grad.to(d.dtype)).to(dtype)  # in place: no second copy
+            out.append(d)
+        return (*out, None, None, None, None, None, None, None)
 
 
 def tiled_lm_loss(hidden: torch.Tensor, lm_head, labels: torch.Tensor, *,

@@ -142,3 +142,17 @@ def test_bfloat16_autocast_is_recomputed_as_in_the_forward():
     assert torch.equal(g_grads[0], w_grads[0])
     for a, b in zip(g_grads[1:], w_grads[1:]):
         assert float((a - b).norm()) <= 1e-2 * float(b.norm())
+
+
+def test_a_second_backward_is_refused_not_doubled():
+    hidden, head, labels = _case(torch.float64)
+    loss = ra.tiled_lm_loss(hidden, head, labels, tile=4)
+    (g,) = torch.autograd.grad(2.0 * loss, hidden, retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        torch.autograd.grad(loss, hidden)
+    want = _reference(hidden, head.weight, head.bias, labels)
+    (w,) = torch.autograd.grad(2.0 * want, hidden)
+    assert torch.allclose(g, w, rtol=1e-12, atol=1e-15)
+    with torch.no_grad():  # no gradient asked for: none computed, the same loss
+        assert torch.allclose(ra.tiled_lm_loss(hidden, head, labels, tile=4), want.detach(),
+                              rtol=1e-12)
