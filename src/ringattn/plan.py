@@ -19,7 +19,7 @@ from functools import lru_cache
 import torch
 
 from .layouts import Layout, local_positions
-from .masks import Band, Block, BlockKind, BlockMask, Mask, WindowMask, evaluate
+from .masks import Band, Block, BlockKind, BlockMask, Mask, WindowMask, evaluate, value_digest
 
 __all__ = ["kv_source", "plan_step", "plan_counts", "make_plan", "Plan", "view_digest"]
 
@@ -323,7 +323,8 @@ class _PlanCache:
             self.plans.move_to_end(key)
             return self.plans[key]
         mask, rest = key[1], key[:1] + key[2:]
-        if not self.warned and any(k[:1] + k[2:] == rest and k[1] is not mask for k in self.plans):
+        if (not self.warned and value_digest(mask) is None  # a value-keyed mask: its own plan
+                and any(k[:1] + k[2:] == rest and k[1] is not mask for k in self.plans)):
             self.warned = True
             log.warning(
                 "ringattn: a new mask object %r has the digest of a cached one; every new "

@@ -141,8 +141,10 @@ EXPECTED = {
     "flex_olmo": EXACT,
     # NoPE layers scale queries by position (ra_hf.convert: global positions, not local)
     "llama4": EXACT,
-    # a dynamic, value-dependent mask passed as attention_mask
-    "doge": REFUSED,
+    # a dynamic, value-dependent mask passed as attention_mask: ra_hf.convert carries it as a
+    # per-key score bias (one more head-dim channel); rows with more keys than
+    # keep_window_size (its top-k) are refused (tests/distributed/test_score_bias_families.py)
+    "doge": EXACT,
     # never call AttentionInterface: their own attention would ignore the ring context
     "bloom": EXACT,  # ALiBi: ra_hf.convert puts ring attention (alibi_slopes) in its module
     "codegen": EXACT,  # transformers >= 5.24 calls the attention interface
@@ -178,7 +180,8 @@ EXPECTED = {
     "cwm": EXACT,
     "dbrx": EXACT,
     # DeepSeek sparse attention: each query's top-k keys, scored against the whole sequence
-    "deepseek_v32": REFUSED,
+    # (ra_hf.convert: the indexer over every rank's keys, the selection a key mask of the ring)
+    "deepseek_v32": EXACT,
     "diffllama": EXACT,
     "dots1": EXACT,
     "ernie4_5": EXACT,
@@ -186,7 +189,7 @@ EXPECTED = {
     "exaone_moe": EXACT,
     "glm4_moe": EXACT,
     "glm4_moe_lite": EXACT,
-    "glm_moe_dsa": REFUSED,  # DeepSeek sparse attention, as deepseek_v32
+    "glm_moe_dsa": EXACT,  # as deepseek_v32; layer 1 reuses layer 0's selection
     "gpt_bigcode": EXACT,
     "granitemoeshared": EXACT,
     "granite_swa": EXACT,
@@ -241,22 +244,25 @@ EXPECTED = {
     # module
     "gpt_neox_japanese": EXACT,
     # a learned indexer keeps each query's top-k keys over the whole sequence (sparse
-    # attention; deepseek_v4 also attends to keys compressed over blocks of tokens)
-    "axk2": REFUSED,
-    "hy_v4": REFUSED,
-    "dots3_note_text": REFUSED,
+    # attention: ra_hf.convert, as deepseek_v32; deepseek_v4 also attends to keys compressed
+    # over blocks of tokens, refused)
+    "axk2": EXACT,
+    "hy_v4": EXACT,
+    "dots3_note_text": EXACT,
     "deepseek_v4": REFUSED,
     # more hybrids (integrations/transformers/mixers/ (conv.py, delta.py)): LFM3's short convolution, ZAYA's CCA
     # projection (q/k convolutions, delayed values) converted by convert_mixers
     "lfm3": EXACT,
     "zaya": EXACT,
     "bailing_hybrid": EXACT,  # Kimi Delta Attention (per-channel decay) converted
-    # refused by convert_mixers, check_model and the mask function (docs/models.md says why):
-    # block-sparse attention picked by an indexer; a relative position bias computed per query
-    "minimax_m3_vl_text": REFUSED,
-    "inkling_text": REFUSED,
-    "inkling2_text": REFUSED,
-    "inkling2_loop_text": REFUSED,
+    # block-sparse attention picked by an indexer: ra_hf.convert selects the key blocks over
+    # the whole sequence (families/block_indexer.py), the ring runs with them as a key mask
+    "minimax_m3_vl_text": EXACT,
+    # a relative position bias computed per query (and per-query sinks): ra_hf.convert hands
+    # it to the ring's kernel as a score modification; short convolutions across ranks
+    "inkling_text": EXACT,
+    "inkling2_text": EXACT,
+    "inkling2_loop_text": EXACT,
 }
 
 
@@ -313,19 +319,32 @@ EXPECTED_SHARD = {
     "mellum": REFUSED,
     "flint": REFUSED,
     "gpt_neox_japanese": REFUSED,  # unconverted: the mask function refuses it
+    # DeepSeek sparse attention, unconverted: the mask function refuses it
+    "deepseek_v32": REFUSED,
+    "glm_moe_dsa": REFUSED,
+    "axk2": REFUSED,
+    "hy_v4": REFUSED,
+    "dots3_note_text": REFUSED,
 }
 
 # delta-rule hybrids (convert_mixers, integrations/transformers/mixers/delta.py): converted exact, their
 # unconverted linear layers refused; Qwen4-Exp's indexed attention picks key blocks per query
-# from every earlier key's content (its QSA indexer), which ring attention does not compute
+# from every earlier key's content (its QSA indexer): ra_hf.convert selects them over the
+# whole sequence (families/block_indexer.py); unconverted, both are refused
 EXPECTED.update({"kimi_linear": EXACT, "olmo_hybrid": EXACT, "lara_mini": EXACT,
-                 "qwen4_exp": REFUSED})
-EXPECTED_SHARD.update({"kimi_linear": REFUSED, "olmo_hybrid": REFUSED, "lara_mini": REFUSED})
+                 "qwen4_exp": EXACT})
+EXPECTED_SHARD.update({"kimi_linear": REFUSED, "olmo_hybrid": REFUSED, "lara_mini": REFUSED,
+                       "qwen4_exp": REFUSED, "minimax_m3_vl_text": REFUSED})
 
 # Zamba hybrids (convert_mixers, integrations/transformers/mixers/mamba.py): Zamba's multi-head Mamba and
 # Zamba2's Mamba2 layers across ranks, their shared attention blocks through the interface
 EXPECTED.update({"zamba": EXACT, "zamba2": EXACT})
 EXPECTED_SHARD.update({"zamba": REFUSED, "zamba2": REFUSED})
+
+# score biases (ra_hf.convert, integrations/transformers/families/score_bias.py), unconverted:
+# the mask function refuses Inkling's short convolutions and Doge's own mask
+EXPECTED_SHARD.update(dict.fromkeys(("inkling_text", "inkling2_text", "inkling2_loop_text",
+                                     "doge"), REFUSED))
 
 EXPECTED_SHARD.update({name: UNCONSUMED for name in ("mamba", "mamba2", "falcon_mamba")})
 """Attention-free families: without ``prepare_batch`` and ``convert`` no ringattn code runs
@@ -545,8 +564,8 @@ def test_convert_refuses_what_it_cannot_make_exact():
     from ringattn.integrations import transformers as ra_hf
 
     ra_hf.register()
-    with pytest.raises(ValueError, match="cannot run"):
-        ra_hf.convert(build("doge", "ringattn"))
+    with pytest.raises(ValueError, match="mask of its own"):  # doge unconverted
+        ra_hf.check_model(build("doge", "ringattn"))
     lfm2 = build("lfm2", "ringattn")  # its one short-conv layer made a module it does not know
     lfm2.model.layers[0].conv = torch.nn.Identity()
     with pytest.raises(ValueError, match="found 0 sequence-mixer layers in Lfm2ForCausalLM"):
@@ -569,8 +588,10 @@ def test_convert_refuses_what_it_cannot_make_exact():
         with pytest.raises(ValueError, match="Build it with attn_implementation='eager'"):
             ra_hf.check_model(cls, config)
     for name in ("deepseek_v32", "glm_moe_dsa"):  # sparse attention: top-k keys per query
-        with pytest.raises(ValueError, match="indexer keeps each query's top 8 keys"):
-            ra_hf.check_model(*reversed(FAMILIES[name]()))
+        ra_hf.check_model(*reversed(FAMILIES[name]()))  # the class: convert serves it
+        with pytest.raises(ValueError, match="indexer keeps each query's top 8 keys.*convert"):
+            ra_hf.check_model(build(name, "ringattn"))  # built, not converted
+        ra_hf.check_model(ra_hf.convert(build(name, "ringattn")))
     model = build("jetmoe", "ringattn")  # its router loss coefficient is aux_loss_coef
     assert ra_hf.convert(model) is model and ra_hf.global_router_loss(model)
 

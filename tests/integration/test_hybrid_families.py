@@ -64,6 +64,7 @@ CONVERTED += ("zamba", "zamba2")  # Zamba hybrids (integrations/transformers/mix
 CONVERTED += ("lfm3", "zaya", "bailing_hybrid")  # more hybrids (integrations/transformers/mixers/ (conv.py, delta.py))
 CONVERTED += ("kimi_linear", "olmo_hybrid", "lara_mini")  # delta rules (mixers/delta.py)
 CONVERTED += ("rwkv", "xlstm")  # attention-free recurrences (integrations/transformers/mixers/recurrent.py)
+CONVERTED += ("inkling_text", "inkling2_text", "inkling2_loop_text")  # short convs (mixers/inkling.py), per-query score bias (families/score_bias.py)
 
 REFUSED = {("recurrent_gemma", "padded"): "reads the padding positions"}
 """Cases refused on every rank (the message's words): RecurrentGemma's recurrent block does
@@ -85,7 +86,9 @@ def _build(name: str, attn: str):
 def _cp_run(name: str, batch: dict, group, layout: str = LAYOUT):
     from ringattn.integrations import transformers as ra_hf
 
-    model = ra_hf.convert_mixers(_build(name, "ringattn"))
+    # Inkling's attention (its per-query score bias) is converted by convert, with its mixers
+    conversion = ra_hf.convert if name.startswith("inkling") else ra_hf.convert_mixers
+    model = conversion(_build(name, "ringattn"))
     local = ra_hf.prepare_batch(model, batch, group=group, layout=layout)
     out = model(**local, use_cache=False)
     local["ring_context"].check_consumed(model)

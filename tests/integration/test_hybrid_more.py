@@ -3,11 +3,8 @@
 * ZAYA with other convolution widths (cca_time0 = 3, cca_time1 = 2: each q/k reads the
   three tokens before it) equals one process at W = 2 and 3, plain, left-padded, packed and
   contiguous, as test_hybrid_families.py compares its survey config (2, 2).
-* The refused families (minimax_m3_vl_text, inkling_text, inkling2_text,
-  inkling2_loop_text) are refused by ``convert_mixers`` with their reason, by ``convert``
-  and by ``check_model`` (class and built model); the converted ones (lfm3, zaya,
-  bailing_hybrid) are refused by ``check_model`` unconverted, naming ``convert``, and
-  accepted converted.
+* The converted ones (lfm3, zaya, bailing_hybrid, inkling_text, inkling2_text, inkling2_loop_text) are
+  refused by ``check_model`` unconverted, naming ``convert``, and accepted converted.
 """
 
 from __future__ import annotations
@@ -20,13 +17,10 @@ from test_families import TOL
 pytest.importorskip("transformers")
 
 REFUSED = {
-    "minimax_m3_vl_text": "indexer",
-    "inkling_text": "relative position bias",
-    "inkling2_text": "sink logit computed per query",
-    "inkling2_loop_text": "sink logit computed per query",
 }
 """Family -> words of the reason ``convert_mixers`` gives."""
-CONVERTED = ("lfm3", "zaya", "bailing_hybrid")
+CONVERTED = ("lfm3", "zaya", "bailing_hybrid", "inkling_text", "inkling2_text",
+             "inkling2_loop_text")
 
 
 def _zaya_wide():

@@ -41,7 +41,26 @@ def _row_tile(mask, rows: slice, nk: int, device):
     return slice(c0, c1), mask.dense(range(rows.start, rows.stop), range(c0, c1), device=device)
 
 
-def _scores(q_BHSD, k_BHSD, scale, softcap, ok, alibi, rows: slice, cols: slice):
+def _distances(rel_bias, rows: slice, cols: slice):
+    """(index [Sr, Sc] into the bias rows, in range [Sr, Sc]) of a relative bias: the global
+    distance q_pos - kv_pos of each pair, and whether it lies in [0, extent)."""
+    table, q_pos, kv_pos, _ = rel_bias
+    dist = q_pos[rows, None] - kv_pos[None, cols]
+    extent = table.shape[-1]
+    return dist.clamp(0, extent - 1), (dist >= 0) & (dist < extent)
+
+
+def _relative(rel_bias, rows: slice, cols: slice, dtype):
+    """[B, H, Sr, Sc] the per-query relative bias of a row tile: ``table[b, q, h, q_pos -
+    kv_pos]`` where that distance is in [0, extent), else 0."""
+    table = rel_bias[0][:, rows].to(dtype).permute(0, 2, 1, 3)  # [B, H, Sr, E]
+    index, inside = _distances(rel_bias, rows, cols)
+    shape = (*table.shape[:2], *index.shape)
+    return table.gather(-1, index.expand(shape)).masked_fill(~inside, 0.0)
+
+
+def _scores(q_BHSD, k_BHSD, scale, softcap, ok, alibi, rows: slice, cols: slice,
+            rel_bias=None):
     """(masked scores of one row tile, their soft-capped part before the ALiBi bias or
     None without soft-capping): scaled, soft-capped, biased."""
     s = (q_BHSD @ k_BHSD.transpose(-1, -2)) * scale
@@ -52,7 +71,23 @@ def _scores(q_BHSD, k_BHSD, scale, softcap, ok, alibi, rows: slice, cols: slice)
         slopes_H, q_pos, kv_pos = alibi
         dist = (q_pos[rows, None] - kv_pos[None, cols]).abs().to(s.dtype)
         s = s - slopes_H.to(s.dtype).view(1, -1, 1, 1) * dist
+    if rel_bias is not None:
+        s = s + _relative(rel_bias, rows, cols, s.dtype)
     return (s if ok is None else s.masked_fill(~ok, float("-inf"))), capped
+
+
+def _add_relative_grad(rel_bias, ds_BHSC, rows: slice, cols: slice) -> None:
+    """Add the score gradient of a row tile to the gradient of its bias rows (each pair's
+    score gradient goes to the table entry its distance picked)."""
+    grad = rel_bias[3]
+    if grad is None:
+        return
+    index, inside = _distances(rel_bias, rows, cols)
+    extent = grad.shape[-1]
+    b, h = ds_BHSC.shape[:2]
+    sums = torch.zeros(b, h, ds_BHSC.shape[2], extent, dtype=ds_BHSC.dtype, device=ds_BHSC.device)
+    sums.scatter_add_(-1, index.expand(ds_BHSC.shape), ds_BHSC.masked_fill(~inside, 0.0))
+    grad[:, rows] += sums.permute(0, 2, 1, 3).to(grad.dtype)
 
 
 class ReferenceKernel:
@@ -62,14 +97,15 @@ class ReferenceKernel:
     """General masks are classified in tiles of (rows, cols) for this kernel."""
 
     name = "reference"
-    features = frozenset({"softcap", "alibi", "value_dim"})
-    """Everything: soft-capping, ALiBi, and a value head dim different from the query's."""
+    features = frozenset({"softcap", "alibi", "value_dim", "rel_bias"})
+    """Everything: soft-capping, ALiBi, a per-query relative bias, and a value head dim
+    different from the query's."""
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return dtype.is_floating_point
 
     def forward(self, q, k, v, scale: float, mask: Band | BlockMask | None, softcap: float = 0.0,
-                alibi=None):
+                alibi=None, rel_bias=None):
         acc = accumulator_dtype(q.dtype)
         b, sq, h, _ = q.shape
         groups = h // k.shape[2]
@@ -80,7 +116,8 @@ class ReferenceKernel:
             rows = slice(a, min(sq, a + ROW_TILE))
             q_BHSD = q[:, rows].to(acc).transpose(1, 2)
             cols, ok = _row_tile(mask, rows, k.shape[1], q.device)
-            s, _ = _scores(q_BHSD, k_BHSD[:, :, cols], scale, softcap, ok, alibi, rows, cols)
+            s, _ = _scores(q_BHSD, k_BHSD[:, :, cols], scale, softcap, ok, alibi, rows, cols,
+                           rel_bias)
             lse = torch.logsumexp(s, dim=-1)
             # rows with no visible key: lse = -inf; subtracting 0 there keeps exp(-inf) = 0
             p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
@@ -89,7 +126,7 @@ class ReferenceKernel:
         return out_BSHD, lse_BHS
 
     def backward(self, dout, q, k, v, out, lse, scale: float, mask: Band | BlockMask | None,
-                 softcap: float = 0.0, alibi=None):
+                 softcap: float = 0.0, alibi=None, rel_bias=None):
         acc = accumulator_dtype(q.dtype)
         b, sk, hkv, d = k.shape
         sq, h = q.shape[1], q.shape[2]
@@ -104,7 +141,7 @@ class ReferenceKernel:
             q_BHSD = q[:, rows].to(acc).transpose(1, 2)
             cols, ok = _row_tile(mask, rows, sk, q.device)
             k_t, v_t = k_BHSD[:, :, cols], v_BHSD[:, :, cols]
-            s, capped = _scores(q_BHSD, k_t, scale, softcap, ok, alibi, rows, cols)
+            s, capped = _scores(q_BHSD, k_t, scale, softcap, ok, alibi, rows, cols, rel_bias)
             final = lse[:, :, rows]
             p = torch.exp(s - torch.where(torch.isfinite(final), final, 0.0).unsqueeze(-1))
             do_BHSD = dout[:, rows].to(acc).transpose(1, 2)
@@ -113,6 +150,8 @@ class ReferenceKernel:
             dp = do_BHSD @ v_t.transpose(-1, -2)
             delta = (do_BHSD * o_BHSD).sum(-1, keepdim=True)
             ds = p * (dp - delta)
+            if rel_bias is not None:  # added after soft-capping: its gradient is ds itself
+                _add_relative_grad(rel_bias, ds, rows, cols)
             if softcap:  # d cap*tanh(x/cap) / dx = 1 - tanh^2 (of the capped score)
                 ds = ds * (1 - (capped / softcap) ** 2)
             dq_BSHD[:, rows] = ((ds @ k_t) * scale).transpose(1, 2)

@@ -44,7 +44,7 @@ class Kernel(Protocol):
     def backward(self, dout, q, k, v, out, lse, scale, mask, softcap=0.0, alibi=None): ...
 
 
-FEATURES = ("softcap", "alibi", "value_dim")
+FEATURES = ("softcap", "alibi", "value_dim", "rel_bias")
 """Extras a kernel may support beyond plain masked attention (see the module docstring)."""
 
 

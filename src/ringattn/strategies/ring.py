@@ -71,6 +71,10 @@ class Ring:
     query_shard: tuple[int, int] | None = None
     """(rank, world) of ``layout`` whose shard the queries are, where that is not the comm's
     (the all-gather's one-rank ring over every rank's keys); None: the comm's."""
+    score_bias: object | None = None
+    """A per-query score modification computed from data this rank holds (``score_bias``'s
+    ``RelativeBias``: each query's own bias-vs-distance row, indexed by the global distance
+    to the key); None: none. Its ``options`` give the kernel a block's share."""
 
     def blocks(self, step: int):
         return self.plan.steps[step]
@@ -89,6 +93,11 @@ class Ring:
                 kv_pos = _positions_on(self.layout, (me - step) % w, w, s, str(device))
             slopes = _slopes_on(self.spec.alibi_slopes, str(device))
             opts["alibi"] = (slopes, q_pos[blk.q_start:blk.q_stop], kv_pos[blk.k_start:blk.k_stop])
+        if self.score_bias is not None:
+            w, s, me = self.comm.world, self.spec.seqlen, self.comm.rank
+            q_pos = _positions_on(self.layout, me, w, s, str(device))
+            kv_pos = _positions_on(self.layout, (me - step) % w, w, s, str(device))
+            opts["rel_bias"] = self.score_bias.options(blk, q_pos, kv_pos)
         return opts
 
     def padding_rows(self, device) -> torch.Tensor | None:
@@ -296,7 +305,10 @@ def _fold_lse_grad(q, k, v, dout, out, dlse_BHL):
 def _sink_lse(lse_BHL, sinks_H, ring: Ring):
     """[B, H, L] the sink logit of every row in lse's dtype: ``sinks[h]``, but -inf on
     padding rows (query slots past S see no key and no sink: out 0, lse -inf)."""
-    sink_BHL = sinks_H.to(lse_BHL.dtype).view(1, -1, 1).expand_as(lse_BHL)
+    if sinks_H.dim() == 3:  # one sink logit per query row: [B, H, L]
+        sink_BHL = sinks_H.to(lse_BHL.dtype).expand_as(lse_BHL)
+    else:
+        sink_BHL = sinks_H.to(lse_BHL.dtype).view(1, -1, 1).expand_as(lse_BHL)
     padding_L = ring.padding_rows(lse_BHL.device)
     if padding_L is not None:
         sink_BHL = sink_BHL.masked_fill(padding_L, float("-inf"))
@@ -351,7 +363,8 @@ def attention_backward(ring: Ring, lse_grad: bool, q, k, v, out, lse, sinks, dou
         lse_acc = lse.to(acc)
         sink_BHL = _sink_lse(lse_acc, sinks.detach(), ring)
         p_sink = torch.where(lse_acc > float("-inf"), torch.exp(sink_BHL - lse_acc), 0.0)
-        dsinks = -(p_sink * delta_BHL).sum((0, 2)).to(sinks.dtype)
+        dsinks = -(p_sink * delta_BHL)
+        dsinks = (dsinks if sinks.dim() == 3 else dsinks.sum((0, 2))).to(sinks.dtype)
     if not fold:
         return (*ring_backward(dout, q, k, v, out, lse, ring), dsinks)
     if dlse is None:

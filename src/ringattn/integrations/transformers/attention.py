@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...masks import and_keys, chunked_key
+from ...masks import and_keys, chunked_key, mask_key
 from ...strategies.auto import attention
 from ...validate import caller_error
 from .checks import (NAME, NOT_ATTENTION_KWARGS, POSITIONS_FROM_MASK, MIXER_FAMILIES,
@@ -103,6 +103,11 @@ class ModelMask:
         parts = index if isinstance(index, tuple) else (index,)
         if all(isinstance(p, slice) and p.start in (None, 0) and p.stop is None
                and p.step in (None, 1) for p in parts):
+            return self
+        # a converted sparse-attention model hands its indexer the mask of head 0
+        # (``[:, 0]``): the same mask, which the converted indexer reads as this one
+        if (self.converted and len(parts) >= 2 and type(parts[1]) is int and parts[1] == 0
+                and all(p == slice(None) for p in parts[:1] + parts[2:])):
             return self
         return self._used_as_tensor()
 
@@ -249,7 +254,7 @@ def _check_call(module, attention_mask, dropout, sliding_window, is_causal, ring
 def ring_attention_forward(module, query, key, value, attention_mask=None, dropout=0.0,
                            scaling=None, sliding_window=None, softcap=None, s_aux=None,
                            is_causal=None, ring_context=None, output_attentions=False,
-                           head_mask=None, **kwargs):
+                           head_mask=None, indices=None, **kwargs):
     """transformers attention function: query [B, H, L, D], key [B, Hkv, L, D], value
     [B, Hkv, L, Dv] -> ([B, L, H, Dv], None).
 
@@ -268,16 +273,25 @@ def ring_attention_forward(module, query, key, value, attention_mask=None, dropo
             f"arguments on to attention (as stablelm and nemotron do), and ring attention "
             f"cannot run it"
         )
+    selection = None
     try:  # this rank's own refusals travel in the attention's agreement (every rank raises)
         causal, window, mask = _check_call(module, attention_mask, dropout, sliding_window,
                                            is_causal, ring_context, output_attentions,
                                            head_mask, kwargs)
+        if indices is not None:  # a sparse attention's keys per query (DSA indexers)
+            selection = getattr(indices, "_ringattn_selection", None)
+            if selection is None:
+                raise TypeError(f"{type(module).__name__} passes indices= (the keys each "
+                                f"query keeps) that no indexer converted by ringattn's "
+                                f"convert selected over the whole sequence")
         error = None
     except (TypeError, ValueError) as exc:
-        (causal, window, mask), error = (True, (-1, -1), None), exc
+        (causal, window, mask), error, selection = (True, (-1, -1), None), exc, None
     kw = ring_context.attention_kwargs()
     if mask is not None:
         kw["mask"] = and_keys(kw["mask"], mask)
+    if selection is not None:
+        kw["mask"] = and_keys(kw["mask"], mask_key(selection))
     with caller_error(error):
         out = attention(  # the batch's strategy (shard_batch's)
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from . import state
 
-__all__ = ["ATTENTION_FAMILIES", "BUILT_EAGER", "KWARGS_STOP", "MIXER_FAMILIES", "MIXER_LAYERS",
+__all__ = ["ATTENTION_FAMILIES", "BLOCK_SPARSE_LAYERS", "BUILT_EAGER", "KWARGS_STOP",
+           "MIXER_FAMILIES", "MIXER_LAYERS",
            "NAME", "NOT_ATTENTION_KWARGS", "POSITIONS_FROM_MASK", "REFUSED", "check_model",
            "converted", "convertible", "global_router_loss", "mixers_converted"]
 
@@ -24,33 +25,19 @@ MIXER_LAYERS: dict = {}
 """transformers' sequence-mixer class name -> the mixin of its converted class (``mixers/``)."""
 MIXER_FAMILIES: dict = {}
 """model_type -> the ``mixers/`` file whose layers ``convert`` converts for it."""
+MIXERS_PER_LAYER: dict = {}
+"""Mixer families whose every listed non-attention layer holds several mixer modules
+(Inkling: four short convolutions per layer): model_type -> how many."""
 KWARGS_STOP: set = set()
 """Mixer families whose model or blocks do not pass ``ring_context`` on to their mixers:
 their layers get the context of their model's forward (``state.bind_context``)."""
 ATTENTION_FAMILIES: dict = {}
 """model_type -> the ``families/`` file that converts its attention (a family that computes
 attention itself, or whose layers drop the ring context)."""
-_RELATIVE_BIAS = (
-    "its attention adds to the scores a relative position bias computed from each query's "
-    "hidden state (a bank of bias-vs-distance profiles mixed per query and head, passed to "
-    "the attention function as a dense position_bias over slot distances)")
+BLOCK_SPARSE_LAYERS: dict = {}
+"""model_type -> its per-layer types whose attention ``convert`` replaces (``families/``:
+block-sparse layers whose indexer picks key blocks per query); not sequence mixers."""
 REFUSED: dict = {
-    "qwen4_exp_text": (
-        "its indexed attention layers choose, for each query, the blocks of keys it attends "
-        "to from the content of every earlier key (the QSA indexer, a data-dependent sparse "
-        "mask built from the dense 4-D mask), which ring attention does not compute"),
-    "minimax_m3_vl_text": (
-        "its minimax_m3_sparse layers attend, for each query and key/value head, only to the "
-        "blocks of keys a learned indexer scores highest against every earlier key (a "
-        "data-dependent block-sparse mask), which ring attention does not compute (it has no "
-        "lightning-attention or other recurrent layer; a config of full_attention layers only "
-        "is a plain decoder)"),
-    "inkling_text": _RELATIVE_BIAS + ", which ring attention does not compute",
-    "inkling2_text": _RELATIVE_BIAS + " and a sink logit computed per query, which ring "
-                                      "attention does not compute",
-    "inkling2_loop_text": _RELATIVE_BIAS + " and a sink logit computed per query, which ring "
-                                           "attention does not compute (its loop, layers run "
-                                           "again per token, would be served)",
 }
 """model_type -> why ``convert`` refuses the family: a sequence layer or an attention that
 ring attention does not compute (their other layers alone would convert)."""
@@ -61,17 +48,21 @@ of its own (a bare KeyError for "ringattn"): built with "eager", then converted 
 replaces the attention modules and sets the config's attention implementation)."""
 
 
-def register_mixers(where: str, layers: dict, families, kwargs_stop=()) -> None:
-    """Rows of a ``mixers/`` file: its layer classes, the families they complete, and those
-    whose model drops ``ring_context``."""
+def register_mixers(where: str, layers: dict, families, kwargs_stop=(), per_layer=None) -> None:
+    """Rows of a ``mixers/`` file: its layer classes, the families they complete, those
+    whose model drops ``ring_context``, and ``per_layer`` (family -> mixer modules per
+    listed layer, where not one)."""
     MIXER_LAYERS.update(layers)
     MIXER_FAMILIES.update(dict.fromkeys(families, where))
     KWARGS_STOP.update(kwargs_stop)
+    MIXERS_PER_LAYER.update(per_layer or {})
 
 
-def register_attention(where: str, families) -> None:
-    """Rows of a ``families/`` file: the families whose attention it converts."""
+def register_attention(where: str, families, layer_types=None) -> None:
+    """Rows of a ``families/`` file: the families whose attention it converts (and
+    ``layer_types``: family -> the layer types of its own that this conversion serves)."""
     ATTENTION_FAMILIES.update(dict.fromkeys(families, where))
+    BLOCK_SPARSE_LAYERS.update(layer_types or {})
 
 
 # -- what convert did to THIS model -----------------------------------------------------------
@@ -130,13 +121,20 @@ _LAYER_TYPE_FIELDS = ("layer_types", "block_types", "layers_block_type", "layer_
 
 _OWN_MASKS = frozenset({"doge"})
 """Families that compute a mask of their own (Doge's learned dynamic mask) from the one
-transformers builds: it cannot be sharded."""
+transformers builds: it cannot be sharded unless ``convert`` replaced their attention
+(``families/score_bias.py`` carries it as a per-key score bias)."""
 
 _TOP_K_KEYS = frozenset({"deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "dots3_note_text",
                          "deepseek_v4"})
 """Families whose attention keeps, for each query, only the keys an indexer scores highest
 among all keys of the sequence (DeepSeek sparse attention): a data-dependent key set per
-query, which no ring mask expresses."""
+query. Those that ``families/indexer.py`` registers are served once converted (the
+selection over the whole sequence, then the ring with it as a key mask); the others are
+refused."""
+
+_INDEXED_LAYER_TYPES = frozenset({"indexed_attention"})
+"""Layer types of the _TOP_K_KEYS families that are attention with an indexer (dots3-note):
+attention layers once ``convert`` converted their indexers."""
 
 _SEQUENCE_MIXERS = frozenset({
     "jamba", "bamba", "falcon_h1", "falcon_mamba", "mamba", "mamba2", "zamba", "zamba2",
@@ -162,18 +160,33 @@ def _config_problem(config, router: bool = True, mixers: bool = True, model=None
                         or (model is not None and mixers_converted(model)))
         return seen[0]
 
-    if name in _TOP_K_KEYS:
+    indexed = name in _TOP_K_KEYS and name in ATTENTION_FAMILIES  # served by convert
+    if name in _TOP_K_KEYS and not (indexed and (
+            not mixers or (model is not None and state.conversion(model) is not None))):
         return (f"{name}'s indexer keeps each query's top {getattr(config, 'index_topk', 'k')} "
                 f"keys, scored against every key of the sequence (sparse attention): a key set "
-                f"chosen per query from the whole sequence, which ring attention cannot mask")
+                f"chosen per query from the whole sequence, which ring attention "
+                + ("selects only in a converted model (convert it first: "
+                   "ringattn.integrations.transformers.convert(model))" if indexed else
+                   "does not compute"))
+    sparse = set(BLOCK_SPARSE_LAYERS.get(name, ()))
     for field in _LAYER_TYPE_FIELDS:
         kinds = getattr(config, field, None)
         if isinstance(kinds, (list, tuple)):
-            other = sorted({str(k) for k in kinds} - _ATTENTION_LAYER_TYPES)
+            found = sorted(sparse & {str(k) for k in kinds})
+            if found and mixers and (model is None or state.conversion(model) is None):
+                return (f"{name} has {field} {found}: their indexer picks each query's key "
+                        f"blocks from the whole sequence, which its attention modules would "
+                        f"compute from this rank's shard alone (convert it first: "
+                        f"ringattn.integrations.transformers.convert(model))")
+            kinds = [k for k in kinds if str(k) not in sparse]
+            other = sorted({str(k) for k in kinds} - _ATTENTION_LAYER_TYPES
+                           - (_INDEXED_LAYER_TYPES if indexed else frozenset()))
             if other and not done():
                 return (f"{name} has {field} {other}: those sequence layers would see only this "
                         f"rank's shard of the sequence, not the whole of it{convert}")
-    if name in _OWN_MASKS:
+    if name in _OWN_MASKS and not (convertible(name) and (  # convert serves it
+            not mixers or (model is not None and state.conversion(model) is not None))):
         return (f"{name} computes a dense attention mask of its own (learned from the inputs), "
                 f"which cannot be sharded")
     if name in _SEQUENCE_MIXERS and not done():
@@ -226,9 +239,13 @@ def check_model(model, config=None) -> None:
             f"looks its attention class up in a dict of its own and raises KeyError. Build it "
             f"with attn_implementation='eager', then call "
             f"ringattn.integrations.transformers.convert(model)")
-    if family in REFUSED or family in _TOP_K_KEYS:  # its own reason before the generic one
-        reason = (_config_problem(config) if family in _TOP_K_KEYS
-                  else f"{family}: {REFUSED[family]}")
+    top_k = None
+    if family in _TOP_K_KEYS:  # served by convert: a class, or a converted model
+        built = not isinstance(model, type)
+        top_k = _config_problem(config, router=False, mixers=built,
+                                model=model if built else None)
+    if family in REFUSED or top_k is not None:  # its own reason before the generic one
+        reason = top_k if family in _TOP_K_KEYS else f"{family}: {REFUSED[family]}"
         raise ValueError(f"ring attention cannot run {cls.__name__} exactly: {reason}")
     if (hasattr(cls, "is_backend_compatible") and not cls.is_backend_compatible()
             and family not in MIXER_FAMILIES and not (

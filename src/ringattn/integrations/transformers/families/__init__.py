@@ -5,7 +5,10 @@
 * ``alibi``: BLOOM's and MPT's ALiBi attention replaced by ring attention;
 * ``own_attention``: XGLM, GPT-Neo, Falcon, GPT-NeoX-Japanese, OpenAI GPT's attention
   modules replaced by ring attention;
-* ``relay``: StableLM and Nemotron, whose layers drop the ring context.
+* ``relay``: StableLM and Nemotron, whose layers drop the ring context;
+* ``indexer``: DeepSeek sparse attention's indexers (top-k keys per query) over the whole
+  sequence, the selection a key mask of the ring;
+* ``score_bias``: Inkling's per-query relative bias and sinks, Doge's per-key bias.
 
 Each file registers its families in ``checks.ATTENTION_FAMILIES`` (family -> mechanism);
 ``convert_attention`` runs the mechanism of a model's family. Adding a family that one of
@@ -16,9 +19,12 @@ from __future__ import annotations
 
 from ..checks import ATTENTION_FAMILIES, register_attention
 from .alibi import convert_alibi
+from .block_indexer import convert_block_indexer
+from .indexer import convert_indexer
 from .own_attention import convert_own_attention
 from .relay import convert_relay
 from .router import convert_router, router_loss_problem
+from .score_bias import convert_score_bias
 from .temperature import convert_temperature
 
 __all__ = ["convert_attention", "convert_router", "convert_temperature", "router_loss_problem"]
@@ -29,7 +35,9 @@ although its class does not declare it (``is_backend_compatible()`` False): ``co
 only records that it was checked."""
 
 _MECHANISMS = {"alibi": convert_alibi, "own attention": convert_own_attention,
-               "relay": convert_relay, "interface": lambda model: None}
+               "relay": convert_relay, "interface": lambda model: None,
+               "indexer": convert_indexer, "score bias": convert_score_bias,
+               "block indexer": convert_block_indexer}
 """checks.ATTENTION_FAMILIES' mechanism names -> the conversion each runs."""
 
 

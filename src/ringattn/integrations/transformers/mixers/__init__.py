@@ -10,7 +10,7 @@ family whose layers one of them serves is one row there.
 
 from __future__ import annotations
 
-from . import conv, delta, mamba, recurrent  # noqa: F401 (each registers its rows)
+from . import conv, delta, inkling, mamba, recurrent  # noqa: F401 (each registers its rows)
 from .base import convert_mixers
 
 __all__ = ["convert_mixers"]

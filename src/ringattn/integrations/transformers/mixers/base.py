@@ -31,8 +31,9 @@ import torch
 
 from ....masks import evaluate
 from ....sharding import positions
-from ..checks import (_ATTENTION_LAYER_TYPES, _LAYER_TYPE_FIELDS, KWARGS_STOP, MIXER_FAMILIES,
-                      MIXER_LAYERS, REFUSED, mixers_converted)
+from ..checks import (_ATTENTION_LAYER_TYPES, _LAYER_TYPE_FIELDS, BLOCK_SPARSE_LAYERS,
+                      KWARGS_STOP, MIXER_FAMILIES,
+                      MIXER_LAYERS, MIXERS_PER_LAYER, REFUSED, mixers_converted)
 from ..state import (MISSING, ConvertedMixer, bind_context, bound_call, current_call,
                      missing_error, owner, record)
 
@@ -121,7 +122,9 @@ def _mixer_layers(config) -> int | None:
     """How many layers the config's per-layer types (the fields _config_problem reads; some
     configs hold the same list under two names) say are sequence mixers other than
     attention; None for a config without such a list (Mamba2: every layer is one)."""
-    counts = [sum(str(k) not in _ATTENTION_LAYER_TYPES | _NOT_MIXERS for k in value)
+    skip = _ATTENTION_LAYER_TYPES | _NOT_MIXERS | set(  # block-sparse attention (families/)
+        BLOCK_SPARSE_LAYERS.get(getattr(config, "model_type", None), ()))
+    counts = [sum(str(k) not in skip for k in value)
               for value in (getattr(config, field, None) for field in _LAYER_TYPE_FIELDS)
               if isinstance(value, (list, tuple))]
     return max(counts, default=None)
@@ -164,6 +167,8 @@ def convert_mixers(model):
         elif isinstance(module, _RingMixer):
             done += 1
     expected = _mixer_layers(config)
+    if expected is not None:  # Inkling: several convolutions in each listed layer
+        expected *= MIXERS_PER_LAYER.get(family, 1)
     if done == 0 or done != (done if expected is None else expected):
         raise ValueError(f"convert_mixers found {done} sequence-mixer layers in "
                          f"{type(model).__name__} but its config lists {expected} "

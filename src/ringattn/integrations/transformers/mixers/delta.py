@@ -143,8 +143,9 @@ register_mixers("delta", {
     "OlmoHybridGatedDeltaNet": _OlmoGatedDeltaNet,
     "LaraMiniGatedDeltaNet": _GatedDeltaNet,
     "BailingHybridDeltaAttention": _KimiDelta,
+    "Qwen4ExpTextGatedDeltaNet": _GatedDeltaNet,
 }, families=("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "olmo_hybrid",
-             "lara_mini", "bailing_hybrid"))
+             "lara_mini", "bailing_hybrid", "qwen4_exp_text"))
 
 
 if __name__ == "__main__":  # a library module: name the programs, do not exit 0

@@ -1,0 +1,297 @@
+"""DeepSeek sparse attention (DSA): each query attends only to the ``index_topk`` keys a
+light indexer scores highest over its causal prefix (DeepSeek-V3.2, GLM-MoE-DSA, A.X K2,
+HY-V4, dots3-note's indexed layers).
+
+transformers' indexer scores every query against every key of the sequence and keeps the
+top k with ``torch.topk`` (ties broken by topk's own algorithm on the whole score row); the
+attention module folds the selection into the dense mask, or hands it to the attention
+function as ``indices=`` for any other implementation. ``convert`` swaps the class of each
+indexer instance for a subclass that computes, under a ring context:
+
+1. one agreement of every rank's indexer call (shapes, top k, layout, strategy; the same
+   ValueError on every rank before any tensor travels, never a hang);
+2. the indexer keys of the whole sequence: one all-gather of the (small, one head of
+   ``index_head_dim``) keys every rank computed for its shard, put in global order;
+3. for this rank's queries, the indexer's own forward (its projections, RoPE, head weights,
+   ReLU and ``torch.topk``), fed the global keys through the ``update_indexer`` hook of the
+   cache it takes, on rows of the global length S masked as one process masks them (causal,
+   padding, documents, a window): the same score row, so the same selection, ties
+   included, whatever topk's tie rule. Queries run in chunks, so a rank holds at most
+   ``SCORE_ELEMENTS`` scores at a time (a [chunk, S] slab, not [L, S]).
+
+The selection travels with the indices tensor the indexer returns (``SELECTION``): a
+value-keyed ``Mask`` (``Selection``) that the attention function ands with the batch's mask,
+so the ring runs its one loop, forward and backward, over exactly the selected keys (a
+per-block key mask, as any mask: blocks with no selected key are skipped). GLM-MoE-DSA's
+shared layers reuse the tensor, and so the mask and its plan. The indexer runs without
+gradients in transformers (``torch.no_grad``), and so here.
+
+Why an all-gather of the indexer keys and not a ring pass of them with a running top-k:
+``torch.topk`` breaks ties at the k-th score by its own selection algorithm over the whole
+row (not by position: tests/distributed/test_indexer_topk.py), so only a topk call on the
+one-process row reproduces it; the keys are one head of ``index_head_dim`` per token (for
+DeepSeek-V3.2, 128 floats against the 128 x 320 of the expanded K/V a rank holds per local
+token), so every rank holding all of them costs less than W / 320 of its K/V.
+
+Why the selection as a key mask of the ring and not a fetch of the selected K/V rows: the
+ring computes the backward (dK, dV travel home with it) and every strategy check as for any
+mask, and needs no second loop; a fetch would move k rows per query (and their gradients
+back) but compute only k keys per query instead of the causal prefix, which is cheaper in
+FLOPs once S >> k; it is not implemented.
+
+Per rank: the gathered keys [B, S, index_head_dim], one chunk's scores (``SCORE_ELEMENTS``),
+the selection [B, L, k], and the ring's plan of the selection mask (its partial tiles' bits
+kept up to the plan's budget, evaluated again beyond it).
+
+Without a ring context (one process) the indexer is transformers' own.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from ....comm import agree, all_gather_single, resolve_group
+from ....layouts import get_layout, local_positions, restore_index
+from ....masks import (
+    Mask,
+    causal,
+    document,
+    evaluate,
+    full,
+    registered_mask,
+    sliding_window,
+)
+from ..attention import ModelMask, _ring_arguments
+from ..checks import register_attention
+from ..state import MISSING, bind_context, bound_context, missing_error
+
+__all__ = ["SELECTION", "Selection", "convert_indexer"]
+
+FAMILIES = ("deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "dots3_note_text")
+register_attention("indexer", FAMILIES)
+
+SELECTION = "_ringattn_selection"
+"""Attribute of the indices tensor a converted indexer returns: its ``Selection`` mask."""
+
+SCORE_ELEMENTS = 1 << 24
+"""Scores ([B, chunk, index heads, S] floats) one chunk of queries may hold at a time."""
+
+_LAST = [0]
+"""The last selection number of this process (each call's is agreed across its ranks: the
+maximum of their next ones)."""
+
+
+class Selection(Mask):
+    """Query q sees key kv iff kv is among the keys the indexer selected for q.
+
+    Each rank holds the selection of its own query slots only ([B, L, k] global key
+    positions) and is only ever asked about them by its ring plan; other query positions
+    (a probe) see nothing. Keyed by a number every rank of the call agreed on, so ranks
+    agree on it as on any value-keyed mask, and each selection is planned once.
+    """
+
+    def __init__(self, token: int, rows_pos: torch.Tensor, selected: torch.Tensor):
+        real = rows_pos >= 0
+        order = torch.argsort(rows_pos)
+        self._pos = rows_pos[order]  # sorted global positions of this rank's query rows
+        self._row = order
+        self._sel = torch.sort(selected.long(), dim=-1).values  # [B, L, k]
+        self._real = bool(real.all())
+        self.token = token
+        self._on: dict = {}
+
+    def key(self):
+        return ("indexer_selection", self.token)
+
+    def _tensors(self, device):
+        device = torch.device(device)
+        if device not in self._on:
+            self._on[device] = tuple(t.to(device) for t in (self._pos, self._row, self._sel))
+        return self._on[device]
+
+    def __call__(self, b, h, q, kv):
+        pos, row, sel = self._tensors(q.device)
+        k = sel.shape[-1]
+        at = torch.searchsorted(pos, q).clamp(max=pos.numel() - 1)
+        mine = pos[at] == q
+        rows = row[at]
+        plain = (q.dim() == 4 and kv.dim() == 4 and q.shape[0] == q.shape[1] == q.shape[3] == 1
+                 and kv.shape[:3] == (1, 1, 1) and b.dim() == 4 and b.shape[1:] == (1, 1, 1))
+        if plain:  # ring plans: [B, 1, 1, 1], [1, 1, Sq, 1], [1, 1, 1, Sk]
+            bs = b.reshape(-1)
+            s = sel[bs][:, rows.reshape(-1)]  # [B, Sq, k]
+            keys = kv.reshape(1, 1, -1).expand(s.shape[0], s.shape[1], -1).contiguous()
+            at_k = torch.searchsorted(s, keys).clamp(max=k - 1)
+            seen = s.gather(-1, at_k) == keys
+            return (seen & mine.reshape(1, -1, 1)).unsqueeze(1)
+        s = sel[b, rows]  # any other broadcast (flex's scalars)
+        return (s == kv.unsqueeze(-1)).any(-1) & mine
+
+
+def _agreed_token(pg, fields: dict, error) -> int:
+    """Agree on this call with every rank (raising the same error everywhere) and on a
+    selection number, new in every process."""
+    fields = {**fields, "selection": _LAST[0] + 1}
+    token = agree(pg, fields, error, reduce=("selection",),
+                  what="an indexer selection")["selection"]
+    _LAST[0] = max(_LAST[0], token)
+    return token
+
+
+class _Keys:
+    """What the indexer's forward takes as its cache: ``update_indexer`` is where it hands
+    over the keys of its tokens and gets back the keys it scores against."""
+
+    def __init__(self, keys=None):
+        self.keys = keys
+
+    def update_indexer(self, k, layer_idx):
+        if self.keys is None:
+            raise _LocalKeys(k)
+        return self.keys
+
+
+class _LocalKeys(Exception):
+    """The keys of this rank's tokens, computed by the indexer's own forward."""
+
+    def __init__(self, keys):
+        super().__init__("indexer keys")
+        self.keys = keys
+
+
+def _row_mask(module, attention_mask, ctx) -> Mask:
+    """The mask of the indexer's score rows in global positions: what the attention module
+    passes it (causal, a window), the batch's padding and documents."""
+    is_causal, window, extra = _ring_arguments(module, attention_mask, None, True, ctx)
+    if window != (-1, -1):
+        mask = sliding_window(*window)
+    else:
+        mask = causal() if is_causal else full()
+    for part in (ctx.mask, None if ctx.cu_seqlens is None else document(ctx.cu_seqlens),
+                 None if extra is None else registered_mask(extra)):
+        if part is not None:
+            mask = mask & part
+    return mask
+
+
+def _ring_indexer(base):
+    class RingIndexer(base):
+        """The indexer over the whole sequence: its own forward on this rank's queries,
+        against every rank's keys; the selection as a mask for the ring."""
+
+        def forward(self, hidden_states, q_resid, position_embeddings, attention_mask,
+                    position_ids=None, cache=None, **kwargs):
+            ctx = bound_context(self)
+            if ctx is MISSING:
+                raise missing_error(self)
+            if ctx is None:
+                return super().forward(hidden_states, q_resid, position_embeddings,
+                                       attention_mask, position_ids, cache=cache, **kwargs)
+            return _select(self, super().forward, hidden_states, q_resid, position_embeddings,
+                           attention_mask, position_ids, cache, ctx)
+
+    RingIndexer.__name__ = RingIndexer.__qualname__ = f"Ring{base.__name__}"
+    return RingIndexer
+
+
+@torch.no_grad()
+def _select(module, own, hidden, q_resid, position_embeddings, attention_mask, position_ids,
+            cache, ctx):
+    """[B, L, k] int32 global key positions selected for this rank's query slots (the
+    ``Selection`` attached); every rank of the group calls it together."""
+    pg = resolve_group(ctx.group)
+    world, rank = torch.distributed.get_world_size(pg), torch.distributed.get_rank(pg)
+    b, n = hidden.shape[:2]
+    seqlen = ctx.seqlen
+    error, fields, local_keys, mask, lay = None, {}, None, None, None
+    try:
+        if cache is not None:
+            raise ValueError(f"{type(module).__name__} got a cache under context "
+                             f"parallelism; call the model with use_cache=False")
+        if ctx.mesh is not None or ctx.strategy != "ring":
+            raise ValueError(f"the indexer's top-k selection runs with strategy 'ring' on a "
+                             f"1-D group (each rank holds the selection of its own queries), "
+                             f"got strategy {ctx.strategy!r}"
+                             + (" on a 2-D mesh" if ctx.mesh is not None else ""))
+        if attention_mask is not None and not isinstance(attention_mask, ModelMask):
+            raise TypeError(f"{type(module).__name__} got a dense attention mask; padding "
+                            f"goes through ringattn.shard_batch")
+        lay = get_layout(ctx.layout, ctx.cu_seqlens)
+        if lay.local_len(seqlen, world) != n:
+            raise ValueError(f"the indexer got {n} tokens, but a shard of S={seqlen} on {world} "
+                             f"ranks ({lay.name}) holds {lay.local_len(seqlen, world)}")
+        mask = _row_mask(module, attention_mask, ctx)
+        try:
+            own(hidden, q_resid, position_embeddings, attention_mask, position_ids,
+                cache=_Keys())
+            raise TypeError(f"{type(module).__name__} never handed its keys to the cache "
+                            f"(update_indexer): ringattn cannot give it the whole sequence's")
+        except _LocalKeys as got:
+            local_keys = got.keys
+        if local_keys.dim() != 3 or tuple(local_keys.shape[:2]) != (b, n):
+            raise TypeError(f"{type(module).__name__}'s keys are {tuple(local_keys.shape)}, "
+                            f"not [B, L, D] = [{b}, {n}, D]")
+        fields = {"batch": b, "local_len": n, "seqlen": seqlen, "topk": int(module.index_topk),
+                  "key_dim": local_keys.shape[-1], "dtype": _dtype_code(local_keys.dtype),
+                  "layout": _crc(lay), "mask": _crc(mask.key())}
+    except (TypeError, ValueError) as exc:
+        error = exc
+    token = _agreed_token(pg, fields, error)  # raises the same error on every rank
+    # every rank's keys, in global order ([B, S, D])
+    keys = local_keys.transpose(0, 1).contiguous()  # [L, B, D]
+    every = keys.new_empty((world * n, *keys.shape[1:]))
+    all_gather_single(every, keys, pg, what="all-gather of the indexer keys")
+    order = restore_index(lay, world, seqlen)[:seqlen].to(every.device)
+    global_keys = every.index_select(0, order).transpose(0, 1)
+    # this rank's score rows, in chunks of queries, by the indexer's own forward
+    pos = local_positions(lay, rank, world, seqlen).to(hidden.device)
+    heads = int(getattr(module, "n_heads", 1))
+    chunk = max(1, SCORE_ELEMENTS // max(1, b * heads * seqlen))
+    cos, sin = position_embeddings
+    keys_all = torch.arange(seqlen, device=hidden.device)
+    picked = []
+    for a in range(0, n, chunk):
+        z = min(n, a + chunk)
+        rows = evaluate(mask, seqlen, pos[a:z], keys_all, b, 1)[:, 0].expand(b, -1, -1)
+        picked.append(own(
+            hidden[:, a:z], q_resid[:, a:z], (cos[:, a:z], sin[:, a:z]), rows,
+            None if position_ids is None else position_ids[:, a:z], cache=_Keys(global_keys)))
+    selected = torch.cat(picked, dim=1)
+    rows_pos = torch.where(pos < seqlen, pos, torch.full_like(pos, -1))
+    setattr(selected, SELECTION, Selection(token, rows_pos.cpu(), selected.cpu()))
+    return selected
+
+
+def _crc(value) -> int:
+    return zlib.crc32(repr(value).encode()) & 0x7FFFFFFF
+
+
+def _dtype_code(dtype) -> int:
+    return (torch.float32, torch.float64, torch.bfloat16, torch.float16).index(dtype) \
+        if dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16) else 9
+
+
+_CLASSES: dict = {}
+
+
+def convert_indexer(model) -> None:
+    """Replace the indexer modules of a DSA model by ones that select over the whole
+    sequence under a ring context."""
+    found = [m for m in model.modules()
+             if type(m).__name__.endswith("Indexer") and hasattr(m, "index_topk")
+             and type(m).__module__.startswith("transformers.")]
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no indexer to convert")
+    for module in found:
+        cls = type(module)
+        if cls not in _CLASSES:
+            _CLASSES[cls] = _ring_indexer(cls)
+        module.__class__ = _CLASSES[cls]
+    bind_context(model, found)
+
+
+if __name__ == "__main__":  # a library module: name the programs, do not exit 0
+    from ringattn._program import not_a_program
+    not_a_program(__spec__)
