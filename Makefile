@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo demo-lm test test-properties test-serving test-specforge bench clean
+.PHONY: install demo demo-lm test test-properties test-serving test-specforge bench bench-longest clean
 
 $(VENV)/.installed: pyproject.toml
 	@echo "make: creating $(VENV) (once)"
@@ -105,3 +105,22 @@ bench: install
 
 clean:
 	rm -rf $(VENV) $(SERVING_VENV) $(SPECFORGE_VENV) demo_out
+
+# The longest sequence a training step fits under a per-rank memory cap, ringattn beside
+# PyTorch's context parallelism and ALST (DeepSpeed's Ulysses SP, tiled loss and MLP), in
+# its own venv: DeepSpeed does not go into ours. Not part of `make test` (about 20 minutes).
+ALST_VENV ?= .venv-alst
+ALST_PY   := $(ALST_VENV)/bin/python
+
+$(ALST_VENV)/.installed: pyproject.toml
+	test -x $(ALST_PY) || $(PYTHON) -m venv $(ALST_VENV)
+	# torch first, pinned (an unpinned torch would pull a multi-GB CUDA build)
+	$(ALST_PY) -m pip install -q "$(TORCH_PIN)"
+	$(ALST_PY) -m pip install -q "$(TORCH_PIN)" "deepspeed==0.19.8" "transformers==5.24.0" \
+		"accelerate==1.15.0" "ninja==1.13.2"
+	$(ALST_PY) -m pip install -q -e . --no-deps
+	DS_ACCELERATOR=cpu $(ALST_PY) -c "import deepspeed.runtime.sequence_parallel.ulysses_sp"
+	touch $@
+
+bench-longest: install $(ALST_VENV)/.installed
+	$(PY) benchmarks/bench_longest.py

@@ -2,7 +2,7 @@
 ``loss_tile``, on by default): the loss and EVERY gradient equal the same model's untiled
 loss in one process (float32 both, 1e-5 relative, as the family survey; a NaN fails), on every rank, for a plain head, a soft
 cap (Gemma 2), a scale (Cohere), a divisor (Granite), a scaled input (MiniCPM3) and a
-converted MoE router loss (Mixtral); plain, left-padded and packed rows; tiles of 1, 5 and
+converted MoE router loss (Mixtral) and a head with a bias (Phi); plain, left-padded and packed rows; tiles of 1, 5 and
 more than the shard; W = 2 and 3, and S = 2 at W = 3 (a rank with no token). The tiled
 path is the one that ran: ``out.logits`` is None (the untiled path returns them). A head
 that does something the table does not say is refused on every rank, naming the family.
@@ -59,6 +59,7 @@ CASES = [  # (family, batch kind, S, tile)
     ("gemma2", "plain", 37, 5), ("gemma2", "left-padding", 29, 3),
     ("cohere", "plain", 31, 4), ("granite", "packed", 35, 5), ("minicpm3", "plain", 37, 6),
     ("mixtral", "plain", 37, 5), ("mixtral", "left-padding", 31, 2),
+    ("phi", "plain", 33, 4),  # a head with a bias
 ]
 
 

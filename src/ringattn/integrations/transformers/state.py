@@ -266,6 +266,26 @@ def missing_error(module) -> ValueError:
         f"model itself inside the manager")
 
 
+
+def restore_padding(model, args, kwargs):
+    """Forward pre-hook of a converted model whose layers read the padding positions (RWKV,
+    xLSTM, MiniMax-M3's indexer): the padding's own token ids go back into ``input_ids``
+    (the ring context keeps them), as one process embeds them."""
+    ctx = kwargs.get("ring_context")
+    call = current_call(model)
+    if (ctx is None or getattr(ctx, "padded_ids", None) is None
+            or kwargs.get("input_ids") is None or call is None):
+        return None
+    call.padding_restored = True
+    return args, {**kwargs, "input_ids": ctx.padded_ids}
+
+
+def hook_restore_padding(model) -> None:
+    """Put ``restore_padding`` on ``model`` once."""
+    if not model.__dict__.get("_ringattn_padding_hook"):
+        model.register_forward_pre_hook(restore_padding, with_kwargs=True)
+        model.__dict__["_ringattn_padding_hook"] = True
+
 if __name__ == "__main__":  # a library module: name the programs, do not exit 0
     from ringattn._program import not_a_program
     not_a_program(__spec__)

@@ -51,7 +51,7 @@ from ....strategies.auto import attention
 from ....validate import caller_error
 from ..attention import _check_call
 from ..checks import register_attention
-from ..state import current_call, missing_error, owner
+from ..state import current_call, hook_restore_padding, missing_error, owner
 
 __all__ = ["BlockSelection", "convert_block_indexer"]
 
@@ -493,21 +493,8 @@ def convert_block_indexer(model) -> None:
         _CLASSES[base] = make(base)
     for module in found:
         module.__class__ = _CLASSES[base]
-    if family == "minimax_m3_vl_text" and not model.__dict__.get("_ringattn_padding_hook"):
-        model.register_forward_pre_hook(_restore_padding, with_kwargs=True)
-        model.__dict__["_ringattn_padding_hook"] = True
-
-
-def _restore_padding(model, args, kwargs):
-    """MiniMax-M3's indexer scores the left padding's keys: the padding's own ids go back
-    into ``input_ids`` (the ring context keeps them), as one process embeds them."""
-    ctx = kwargs.get("ring_context")
-    call = current_call(model)
-    if (ctx is None or getattr(ctx, "padded_ids", None) is None
-            or kwargs.get("input_ids") is None or call is None):
-        return None
-    call.padding_restored = True
-    return args, {**kwargs, "input_ids": ctx.padded_ids}
+    if family == "minimax_m3_vl_text":  # its indexer scores the left padding's keys
+        hook_restore_padding(model)
 
 
 if __name__ == "__main__":  # a library module: name the programs, do not exit 0

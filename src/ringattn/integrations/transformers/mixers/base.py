@@ -34,8 +34,8 @@ from ....sharding import positions
 from ..checks import (_ATTENTION_LAYER_TYPES, _LAYER_TYPE_FIELDS, BLOCK_SPARSE_LAYERS,
                       KWARGS_STOP, MIXER_FAMILIES,
                       MIXER_LAYERS, MIXERS_PER_LAYER, REFUSED, mixers_converted)
-from ..state import (MISSING, ConvertedMixer, bind_context, bound_call, current_call,
-                     missing_error, owner, record)
+from ..state import (MISSING, ConvertedMixer, bind_context, bound_call,
+                     hook_restore_padding, missing_error, owner, record)
 
 __all__ = ["convert_mixers"]
 
@@ -177,22 +177,9 @@ def convert_mixers(model):
     if family in KWARGS_STOP:  # the CausalLM does not pass ring_context on to its layers
         mixers = [m for m in model.modules() if isinstance(m, _RingMixer)]
         bind_context(model, mixers)
-        if any(getattr(m, "_reads_padding", False) for m in mixers) and not model.__dict__.get(
-                "_ringattn_padding_hook"):
-            model.register_forward_pre_hook(_restore_padding, with_kwargs=True)
-            model.__dict__["_ringattn_padding_hook"] = True
+        if any(getattr(m, "_reads_padding", False) for m in mixers):
+            hook_restore_padding(model)
     return model
-
-
-def _restore_padding(model, args, kwargs):
-    """Layers that read the padding positions (RWKV, xLSTM) get the padding's own ids back."""
-    ctx = kwargs.get("ring_context")
-    call = current_call(model)
-    if (ctx is None or getattr(ctx, "padded_ids", None) is None
-            or kwargs.get("input_ids") is None or call is None):
-        return None
-    call.padding_restored = True
-    return args, {**kwargs, "input_ids": ctx.padded_ids}
 
 
 if __name__ == "__main__":  # a library module: name the programs, do not exit 0
