@@ -8,8 +8,10 @@ integrations/transformers/families/score_bias.py).
   packed documents.
 * Bad input on ONE rank (a bias row of the wrong extent) raises the same ValueError on
   every rank, before any ring message; never a hang.
-* Doge with S above keep_window_size (its per-row top-k keys) is refused on every rank with
-  a ValueError naming keep_window_size and the sequence length.
+* Doge with S above keep_window_size (each query's top keep_window_size keys of its bias)
+  equals one process in float64 on every rank, W = 2 and 3, plain and left-padded, a layer
+  whose bias ties on every key included; a keep_window_size that differs between ranks
+  raises the same ValueError on every rank.
 * Inkling with its logarithmic query scaling (``log_scaling_n_floor``, off in the survey's
   config) equals one process at W = 2: plain, left-padded, packed and contiguous.
 """
@@ -123,32 +125,117 @@ def test_bad_bias_on_one_rank_is_refused_on_every_rank(clusters):
     assert all(s and "rel_bias has extent 3" in s for s in said), said
 
 
-def _doge_too_long():
-    """Rank function: Doge (keep_window_size 8) on S = 37 under CP: the message."""
+def _eager64(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """transformers' eager attention with its softmax in the inputs' dtype (its own takes
+    float32), so a float64 model is a float64 reference."""
+    from transformers.models.doge.modeling_doge import repeat_kv
+
+    keys = repeat_kv(key, module.num_key_value_groups)
+    values = repeat_kv(value, module.num_key_value_groups)
+    scores = torch.matmul(query, keys.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    out = torch.matmul(scores.softmax(-1), values)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _doge(keep: int, kind: str, group, with_ring: bool = True):
+    """Doge in float64 with keep_window_size ``keep``: layer 0's bias tied on every key
+    (A = 0: each query's top-k among equal entries), layer 1's distinct; (model, output)
+    of the CP run (``with_ring``) or of one process (eager, the whole batch)."""
     from ringattn.integrations import transformers as ra_hf
 
     _helpers()
     from test_transformers import _batch
 
-    ra_hf.register()
     config, cls = FAMILIES["doge"]()
-    config.keep_window_size = 8
-    config._attn_implementation = "ringattn"
+    config.keep_window_size = keep
+    if not with_ring:  # transformers' eager attention with its softmax in float64, through
+        from transformers import AttentionInterface, AttentionMaskInterface  # the registries
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+        AttentionInterface.register("eager_float64", _eager64)
+        AttentionMaskInterface.register("eager_float64", ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+    config._attn_implementation = "ringattn" if with_ring else "eager_float64"
     torch.manual_seed(0)
-    model = ra_hf.convert(cls(config).float())
+    model = cls(config).double()
+    with torch.no_grad():
+        attention = [m for m in model.modules() if hasattr(m, "keep_window_size")]
+        attention[0].A.zero_()
+        for m in attention[1:]:
+            m.A.copy_(torch.linspace(-1.5, 1.0, m.A.numel(), dtype=torch.float64))
+    batch = _batch(kind, 37)
+    if not with_ring:
+        out = model(**batch, use_cache=False)
+        out.loss.backward()
+        return model, out
+    model = ra_hf.convert(model)
+    local = ra_hf.prepare_batch(model, batch, group=group)
+    out = model(**local, use_cache=False)
+    local["ring_context"].check_consumed(model)
+    out.loss.backward()
+    return model, out
+
+
+def _doge_top_k(keep: int):
+    """Rank function: {kind: the survey's errors (logits, loss, every gradient) of Doge
+    under CP against one process}, both in float64."""
+    from ringattn.integrations import transformers as ra_hf
+
+    _helpers()
+    from test_families import _errors
+    from test_transformers import _batch
+
+    ra_hf.register()
+    results = {}
+    for kind in ("plain", "left-padding"):
+        ref_model, ref = _doge(keep, kind, None, with_ring=False)
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
+        model, out = _doge(keep, kind, group)
+        results[kind] = _errors(_batch(kind, 37), ref_model, ref, model, out, group)
+        dist.destroy_process_group(group)
+    return results
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", (2, 3))
+def test_doge_top_k_keys_equal_one_process(clusters, world):
+    """Doge keeps each query's top keep_window_size keys (16 and 5 of S = 37; 36 keeps all
+    but a few of the last rows' keys): exact on every rank, ties included."""
+    for keep in (16, 5, 36):
+        for rank, results in enumerate(clusters(world).run(_doge_top_k, keep, timeout=240)):
+            assert set(results) == {"plain", "left-padding"}
+            for kind, errs in results.items():
+                for what in ("logits", "grads"):
+                    assert errs[what] <= TOL, (world, keep, rank, kind, what, errs)
+                # transformers' causal LM loss takes float32 logits (ForCausalLMLoss)
+                assert errs["loss"] <= 1e-6, (world, keep, rank, kind, errs)
+
+
+def _doge_bad_keep(other: int):
+    """Rank function: rank 1's Doge keeps ``other`` keys, rank 0's 16: what each raised."""
+    from ringattn.integrations import transformers as ra_hf
+
+    ra_hf.register()
+    keep = other if dist.get_rank() == 1 else 16
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
-    local = ra_hf.prepare_batch(model, _batch("plain", 37), group=group)
     try:
-        model(**local, use_cache=False)
+        _doge(keep, "plain", group)
     except ValueError as exc:
         return str(exc)
     return None
 
 
 @pytest.mark.timeout(120)
-def test_doge_top_k_beyond_keep_window_size_is_refused_on_every_rank(clusters):
-    said = clusters(2).run(_doge_too_long, timeout=60)
-    assert all(s and "keep_window_size=8" in s and "sequence length 37" in s for s in said), said
+@pytest.mark.parametrize("other", (12, 64))
+def test_doge_keep_window_size_differing_between_ranks_is_refused_on_every_rank(clusters,
+                                                                                 other):
+    """keep_window_size 12 on rank 1 (both select, with different k) or 64 (rank 1 needs no
+    selection, rank 0 does): the same ValueError on every rank, never a hang."""
+    said = clusters(2).run(_doge_bad_keep, other, timeout=60)
+    assert said[0] == said[1], said
+    want = "ranks disagree on keep_window_size" if other == 12 else "out of step"
+    assert all(s and want in s for s in said), said
 
 
 def _inkling_log_scaled():

@@ -67,7 +67,8 @@ from ..attention import ModelMask, _ring_arguments
 from ..checks import register_attention
 from ..state import MISSING, bind_context, bound_context, missing_error
 
-__all__ = ["SELECTION", "Selection", "convert_indexer"]
+__all__ = ["SELECTION", "Selection", "agreed_token", "attach_selection", "convert_indexer",
+           "gather_sequence", "row_chunks", "row_mask"]
 
 FAMILIES = ("deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "dots3_note_text")
 register_attention("indexer", FAMILIES)
@@ -84,20 +85,25 @@ maximum of their next ones)."""
 
 
 class Selection(Mask):
-    """Query q sees key kv iff kv is among the keys the indexer selected for q.
+    """Query q sees key kv iff kv is among the keys selected for q.
 
-    Each rank holds the selection of its own query slots only ([B, L, k] global key
-    positions) and is only ever asked about them by its ring plan; other query positions
-    (a probe) see nothing. Keyed by a number every rank of the call agreed on, so ranks
-    agree on it as on any value-keyed mask, and each selection is planned once.
+    Each rank holds the selection of its own query slots only (``selected`` [B, L, k], or
+    [B, Hs, L, k] per selection head, global key positions; a position < 0 selects
+    nothing) and is only ever asked about them by its ring plan; other query positions (a
+    probe) see nothing. With per-head rows, attention head h reads selection head
+    h // ``group``. Keyed by a number every rank of the call agreed on, so ranks agree on
+    it as on any value-keyed mask, and each selection is planned once.
     """
 
-    def __init__(self, token: int, rows_pos: torch.Tensor, selected: torch.Tensor):
+    def __init__(self, token: int, rows_pos: torch.Tensor, selected: torch.Tensor,
+                 group: int | None = None):
         real = rows_pos >= 0
         order = torch.argsort(rows_pos)
         self._pos = rows_pos[order]  # sorted global positions of this rank's query rows
         self._row = order
-        self._sel = torch.sort(selected.long(), dim=-1).values  # [B, L, k]
+        selected = selected.long() if selected.dim() == 4 else selected.long().unsqueeze(1)
+        self._sel = torch.sort(selected, dim=-1).values  # [B, Hs, L, k]
+        self._group = None if group is None or selected.shape[1] == 1 else int(group)
         self._real = bool(real.all())
         self.token = token
         self._on: dict = {}
@@ -117,27 +123,65 @@ class Selection(Mask):
         at = torch.searchsorted(pos, q).clamp(max=pos.numel() - 1)
         mine = pos[at] == q
         rows = row[at]
+        per_head = self._group is not None
         plain = (q.dim() == 4 and kv.dim() == 4 and q.shape[0] == q.shape[1] == q.shape[3] == 1
-                 and kv.shape[:3] == (1, 1, 1) and b.dim() == 4 and b.shape[1:] == (1, 1, 1))
-        if plain:  # ring plans: [B, 1, 1, 1], [1, 1, Sq, 1], [1, 1, 1, Sk]
-            bs = b.reshape(-1)
-            s = sel[bs][:, rows.reshape(-1)]  # [B, Sq, k]
-            keys = kv.reshape(1, 1, -1).expand(s.shape[0], s.shape[1], -1).contiguous()
+                 and kv.shape[:3] == (1, 1, 1) and b.dim() == 4 and b.shape[1:] == (1, 1, 1)
+                 and (not per_head or (h.dim() == 4 and h.shape[0] == h.shape[2]
+                                       == h.shape[3] == 1)))
+        if plain:  # ring plans: [B, 1, 1, 1], [1, H, 1, 1], [1, 1, Sq, 1], [1, 1, 1, Sk]
+            heads = (torch.div(h.reshape(-1), self._group, rounding_mode="floor") if per_head
+                     else torch.zeros(1, dtype=torch.long, device=q.device))
+            s = sel[b.reshape(-1)][:, heads][:, :, rows.reshape(-1)]  # [B, Hm, Sq, k]
+            keys = kv.reshape(1, 1, 1, -1).expand(*s.shape[:3], -1).contiguous()
             at_k = torch.searchsorted(s, keys).clamp(max=k - 1)
             seen = s.gather(-1, at_k) == keys
-            return (seen & mine.reshape(1, -1, 1)).unsqueeze(1)
-        s = sel[b, rows]  # any other broadcast (flex's scalars)
+            return seen & mine.reshape(1, 1, -1, 1)
+        head = (torch.div(h, self._group, rounding_mode="floor") if per_head
+                else torch.zeros((), dtype=torch.long, device=q.device))
+        s = sel[b, head, rows]  # any other broadcast (flex's scalars)
         return (s == kv.unsqueeze(-1)).any(-1) & mine
 
 
-def _agreed_token(pg, fields: dict, error) -> int:
+def agreed_token(pg, fields: dict, error, what: str = "an indexer selection") -> int:
     """Agree on this call with every rank (raising the same error everywhere) and on a
     selection number, new in every process."""
     fields = {**fields, "selection": _LAST[0] + 1}
-    token = agree(pg, fields, error, reduce=("selection",),
-                  what="an indexer selection")["selection"]
+    token = agree(pg, fields, error, reduce=("selection",), what=what)["selection"]
     _LAST[0] = max(_LAST[0], token)
     return token
+
+
+def gather_sequence(local: torch.Tensor, dim: int, pg, lay, world: int, seqlen: int,
+                    what: str) -> torch.Tensor:
+    """Every rank's ``local`` (its shard's slots on ``dim``) in global order: the same
+    tensor with S positions on ``dim`` (one all-gather)."""
+    rows = local.movedim(dim, 0).contiguous()  # [L, ...]
+    every = rows.new_empty((world * rows.shape[0], *rows.shape[1:]))
+    all_gather_single(every, rows, pg, what=what)
+    order = restore_index(lay, world, seqlen)[:seqlen].to(every.device)
+    return every.index_select(0, order).movedim(0, dim)
+
+
+def row_chunks(mask: Mask, seqlen: int, pos: torch.Tensor, batch: int, per_key: int):
+    """(a, z, rows) for this rank's query slots ``pos`` in chunks: ``rows`` [B, z - a, S]
+    bool, the one-process score rows' visibility of slots a..z-1 under ``mask``; a chunk
+    holds at most ``SCORE_ELEMENTS`` scores of ``per_key`` floats per (query, key)."""
+    n = pos.numel()
+    chunk = max(1, SCORE_ELEMENTS // max(1, per_key * seqlen))
+    keys_all = torch.arange(seqlen, device=pos.device)
+    for a in range(0, n, chunk):
+        z = min(n, a + chunk)
+        yield a, z, evaluate(mask, seqlen, pos[a:z], keys_all, batch, 1)[:, 0].expand(
+            batch, -1, -1)
+
+
+def attach_selection(selected: torch.Tensor, token: int, pos: torch.Tensor, seqlen: int,
+                     group: int | None = None) -> torch.Tensor:
+    """``selected`` (this rank's rows, [B, L, k] or [B, Hs, L, k] global key positions) with
+    its ``Selection`` attached as ``SELECTION``, the mask the attention function ands."""
+    rows_pos = torch.where(pos < seqlen, pos, torch.full_like(pos, -1))
+    setattr(selected, SELECTION, Selection(token, rows_pos.cpu(), selected.cpu(), group))
+    return selected
 
 
 class _Keys:
@@ -161,7 +205,7 @@ class _LocalKeys(Exception):
         self.keys = keys
 
 
-def _row_mask(module, attention_mask, ctx) -> Mask:
+def row_mask(module, attention_mask, ctx) -> Mask:
     """The mask of the indexer's score rows in global positions: what the attention module
     passes it (causal, a window), the batch's padding and documents."""
     is_causal, window, extra = _ring_arguments(module, attention_mask, None, True, ctx)
@@ -222,7 +266,7 @@ def _select(module, own, hidden, q_resid, position_embeddings, attention_mask, p
         if lay.local_len(seqlen, world) != n:
             raise ValueError(f"the indexer got {n} tokens, but a shard of S={seqlen} on {world} "
                              f"ranks ({lay.name}) holds {lay.local_len(seqlen, world)}")
-        mask = _row_mask(module, attention_mask, ctx)
+        mask = row_mask(module, attention_mask, ctx)
         try:
             own(hidden, q_resid, position_embeddings, attention_mask, position_ids,
                 cache=_Keys())
@@ -238,30 +282,19 @@ def _select(module, own, hidden, q_resid, position_embeddings, attention_mask, p
                   "layout": _crc(lay), "mask": _crc(mask.key())}
     except (TypeError, ValueError) as exc:
         error = exc
-    token = _agreed_token(pg, fields, error)  # raises the same error on every rank
-    # every rank's keys, in global order ([B, S, D])
-    keys = local_keys.transpose(0, 1).contiguous()  # [L, B, D]
-    every = keys.new_empty((world * n, *keys.shape[1:]))
-    all_gather_single(every, keys, pg, what="all-gather of the indexer keys")
-    order = restore_index(lay, world, seqlen)[:seqlen].to(every.device)
-    global_keys = every.index_select(0, order).transpose(0, 1)
+    token = agreed_token(pg, fields, error)  # raises the same error on every rank
+    global_keys = gather_sequence(local_keys, 1, pg, lay, world, seqlen,
+                                  "all-gather of the indexer keys")  # [B, S, D]
     # this rank's score rows, in chunks of queries, by the indexer's own forward
     pos = local_positions(lay, rank, world, seqlen).to(hidden.device)
     heads = int(getattr(module, "n_heads", 1))
-    chunk = max(1, SCORE_ELEMENTS // max(1, b * heads * seqlen))
     cos, sin = position_embeddings
-    keys_all = torch.arange(seqlen, device=hidden.device)
     picked = []
-    for a in range(0, n, chunk):
-        z = min(n, a + chunk)
-        rows = evaluate(mask, seqlen, pos[a:z], keys_all, b, 1)[:, 0].expand(b, -1, -1)
+    for a, z, rows in row_chunks(mask, seqlen, pos, b, b * heads):
         picked.append(own(
             hidden[:, a:z], q_resid[:, a:z], (cos[:, a:z], sin[:, a:z]), rows,
             None if position_ids is None else position_ids[:, a:z], cache=_Keys(global_keys)))
-    selected = torch.cat(picked, dim=1)
-    rows_pos = torch.where(pos < seqlen, pos, torch.full_like(pos, -1))
-    setattr(selected, SELECTION, Selection(token, rows_pos.cpu(), selected.cpu()))
-    return selected
+    return attach_selection(torch.cat(picked, dim=1), token, pos, seqlen)
 
 
 def _crc(value) -> int:

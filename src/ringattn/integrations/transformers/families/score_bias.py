@@ -16,9 +16,16 @@ projections and, under a ring context, hands ring attention the bias as data:
 * Doge: ``b_j = exp(A * softplus(dt_proj(v_j)))`` per key and kv head is added to every
   visible score as one more head-dim channel, ``scale * [q, 1/scale] . [k, b] = scale *
   q.k + b`` (values unchanged), so any strategy and kernel computes it and the gradient of
-  ``b`` is that channel's key gradient. Doge keeps each query's top ``keep_window_size``
-  keys by ``b`` when the key length exceeds it; a batch where a row could see more keys
-  than that is refused on every rank (ValueError naming keep_window_size and the length).
+  ``b`` is that channel's key gradient. Doge keeps, per (batch, kv head, query), the top
+  ``keep_window_size`` entries of ``b`` + its mask when the key length exceeds it (the
+  rest masked): when a row can see more keys than that (the sequence, or its longest
+  document, is longer), every rank all-gathers ``b`` ([B, Hkv, S], one float per key and
+  kv head), runs Doge's own ``prepare_dynamic_mask`` (its ``torch.topk``) on each local
+  query's one-process row, and hands the kept keys to the ring as a per-head key mask:
+  the DSA indexers' mechanism (``families/indexer.py``: ``Selection`` with a head per kv
+  head, ``gather_sequence``, ``row_chunks``), so ties break as in one process. That runs
+  with strategy 'ring' on a 1-D group only (each rank holds its own queries' selection);
+  another strategy is refused on every rank.
 
 Without a ring context the modules are transformers' own.
 """
@@ -27,11 +34,22 @@ from __future__ import annotations
 
 import torch
 
+from ....comm import resolve_group
+from ....layouts import get_layout, local_positions
 from ....masks import and_keys
 from ....score_bias import ring_attention_with_bias
 from ....validate import caller_error
 from ..attention import ModelMask, _ring_arguments, ring_attention_forward
 from ..checks import NOT_ATTENTION_KWARGS, register_attention
+from .indexer import (
+    _crc,
+    _dtype_code,
+    agreed_token,
+    attach_selection,
+    gather_sequence,
+    row_chunks,
+    row_mask,
+)
 from .router import _local_positions
 
 __all__ = ["convert_score_bias"]
@@ -186,18 +204,6 @@ def _ring_doge_attention(base):
             if ctx is None:
                 return super().forward(hidden_states, position_embeddings, attention_mask,
                                        cache=cache, **kwargs)
-            longest = (max(b - a for a, b in zip(ctx.cu_seqlens[:-1], ctx.cu_seqlens[1:]))
-                       if ctx.cu_seqlens is not None else ctx.seqlen)
-            if longest > self.keep_window_size:  # the same global values on every rank
-                raise ValueError(
-                    f"doge keeps, for each query, only the keep_window_size="
-                    f"{self.keep_window_size} keys its dynamic mask ranks highest among all keys "
-                    f"of the row when the sequence is longer; this batch's sequence length "
-                    f"{ctx.seqlen}" + (f" (longest document {longest})"
-                                       if ctx.cu_seqlens is not None else "")
-                    + " exceeds it, and ring attention does not compute that per-query key "
-                    "selection: use sequences (documents) of at most keep_window_size tokens "
-                    "or raise keep_window_size")
             if cache is not None:
                 raise ValueError(f"{type(self).__name__} got a cache under context "
                                  f"parallelism; call the model with use_cache=False")
@@ -210,6 +216,11 @@ def _ring_doge_attention(base):
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             dt = self.dt_proj(v.transpose(1, 2).reshape(*shape, -1))
             bias = torch.exp(self.A * torch.nn.functional.softplus(dt)).transpose(-1, -2)
+            longest = (max(b - a for a, b in zip(ctx.cu_seqlens[:-1], ctx.cu_seqlens[1:]))
+                       if ctx.cu_seqlens is not None else ctx.seqlen)
+            if longest > self.keep_window_size:  # the same global values on every rank
+                kwargs["indices"] = _doge_selection(self, hidden_states, bias, attention_mask,
+                                                    ctx)
             # scale * [q, 1/scale] . [k, b] = scale * q.k + b: the bias as a head-dim channel
             q = torch.cat([q, q.new_full((*q.shape[:-1], 1), 1.0 / self.scaling)], dim=-1)
             k = torch.cat([k, bias.unsqueeze(-1).to(k.dtype)], dim=-1)
@@ -220,6 +231,54 @@ def _ring_doge_attention(base):
             return self.o_proj(out.reshape(*shape, -1).contiguous()), None
 
     return RingDogeAttention
+
+
+@torch.no_grad()
+def _doge_selection(module, hidden, bias, attention_mask, ctx) -> torch.Tensor:
+    """[B, Hkv, L, keep_window_size] global key positions Doge keeps for this rank's query
+    slots (-1: none; the ``Selection`` attached, per kv head): its own
+    ``prepare_dynamic_mask`` on each query's one-process row (the per-key bias ``bias``
+    [B, Hkv, L] of every rank, gathered, masked as one process masks it), so the same
+    ``torch.topk`` selection, ties included. Every rank of the group calls it together."""
+    pg = resolve_group(ctx.group)
+    world, rank = torch.distributed.get_world_size(pg), torch.distributed.get_rank(pg)
+    b, n = hidden.shape[:2]
+    seqlen, keep = ctx.seqlen, int(module.keep_window_size)
+    error, fields, mask, lay = None, {}, None, None
+    try:
+        if ctx.mesh is not None or ctx.strategy != "ring":
+            raise ValueError(f"doge's top keep_window_size={keep} keys per query run with "
+                             f"strategy 'ring' on a 1-D group (each rank holds the selection "
+                             f"of its own queries), got strategy {ctx.strategy!r}"
+                             + (" on a 2-D mesh" if ctx.mesh is not None else ""))
+        if attention_mask is not None and not isinstance(attention_mask, ModelMask):
+            raise TypeError(f"{type(module).__name__} got a dense attention mask; padding "
+                            f"goes through ringattn.shard_batch")
+        lay = get_layout(ctx.layout, ctx.cu_seqlens)
+        if lay.local_len(seqlen, world) != n:
+            raise ValueError(f"doge got {n} tokens, but a shard of S={seqlen} on {world} "
+                             f"ranks ({lay.name}) holds {lay.local_len(seqlen, world)}")
+        mask = row_mask(module, attention_mask, ctx)
+        fields = {"batch": b, "local_len": n, "seqlen": seqlen, "keep_window_size": keep,
+                  "key_dim": bias.shape[1], "dtype": _dtype_code(hidden.dtype),
+                  "layout": _crc(lay), "mask": _crc(mask.key())}
+    except (TypeError, ValueError) as exc:
+        error = exc
+    token = agreed_token(pg, fields, error, what="doge's top-k keys")  # the same error everywhere
+    every = gather_sequence(bias.detach(), 2, pg, lay, world, seqlen,
+                            "all-gather of doge's key bias")  # [B, Hkv, S]
+    pos = local_positions(lay, rank, world, seqlen).to(hidden.device)
+    slots = torch.arange(seqlen, device=hidden.device)
+    lowest = torch.finfo(hidden.dtype).min
+    picked = []
+    for a, z, rows in row_chunks(mask, seqlen, pos, b, 4 * b * every.shape[1]):
+        scored = module.prepare_dynamic_mask(hidden_states=hidden[:, a:z], dt_states=every,
+                                             keep_window_size=keep,
+                                             attention_mask=rows.unsqueeze(1))
+        kept = torch.where(scored != lowest, slots, -1)  # [B, Hkv, z - a, S]
+        picked.append(kept.topk(keep, dim=-1).values)
+    return attach_selection(torch.cat(picked, dim=2), token, pos, seqlen,
+                            group=module.num_key_value_groups)
 
 
 def _bases(family: str):
