@@ -25,7 +25,9 @@ Methods:
 * ``alst``: DeepSpeed's Ulysses SP with ALST's tiled loss (tiles of ``--loss-tile``
   tokens), tiled MLP and checkpointing (``longest_alst.py``, run by the python of
   ``.venv-alst``, which ``make bench-longest`` builds: DeepSpeed does not live in the
-  project's venv); skipped, and said so in the JSON, where that venv is missing.
+  project's venv); skipped, and said so in the JSON, where that venv is missing. Searched
+  at ``--alst-worlds`` (W = 1) up to ``--alst-max-s`` only: with its layer checkpointing
+  it reaches S where one step takes minutes on this machine's two cores.
 
 For each method at W = 1, S doubles from ``--start`` until a step no longer fits (or
 halves until one does); at W = 2 and 4 the search starts at W times W = 1's longest S and
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
 import sys
 import time
@@ -133,7 +136,6 @@ def time_task(methods, s: int, opts: dict, iters: int) -> dict:
 
 def _measure_alst(w: int, s: int, opts: dict) -> dict:
     """ALST's step at S on W fresh ranks of its own venv (a subprocess)."""
-    import json
     import os
     import subprocess
     import tempfile
@@ -171,7 +173,8 @@ def longest(cluster, method: str, w: int, opts: dict, bar, guess: int | None = N
     cap, unit = opts["cap_mib"], 16 * w
     points, lo, hi = [], None, None
     s = max(unit, (guess or opts["start"] * w) // unit * unit)
-    while (lo is None or hi is None) and unit <= s <= opts["max_s"]:
+    top = opts["alst_max_s"] if method == "alst" else opts["max_s"]
+    while (lo is None or hi is None) and unit <= s <= top:
         bar.set_postfix_str(f"{method} W={w} S={s}")
         rec = _measure(cluster, method, s, opts)
         bar.update(1)
@@ -197,18 +200,28 @@ def longest(cluster, method: str, w: int, opts: dict, bar, guess: int | None = N
 
 def run(args, out: Path) -> dict:
     opts = {"vocab": args.vocab, "cap_mib": args.cap_mib, "start": args.start,
-            "bisect": args.bisect, "max_s": args.max_s, "loss_tile": args.loss_tile, "mlp_tile": args.mlp_tile}
+            "bisect": args.bisect, "max_s": args.max_s, "alst_max_s": args.alst_max_s,
+            "loss_tile": args.loss_tile, "mlp_tile": args.mlp_tile}
     data = {"machine": machine_info(), "model": {**peers.MODEL, "vocab_size": args.vocab},
             "dtype": "fp32", "B": 1, "options": opts, "warmup_S": peers.WARMUP_S,
             "memory": "peak live tensor bytes of one step (common.TensorBytes), max over ranks",
             "search": [], "flat": [], "time": None}
+    if args.resume and (out / "longest.json").exists():  # keep what an earlier run measured
+        old = json.loads((out / "longest.json").read_text())
+        same = ("vocab", "cap_mib", "loss_tile", "mlp_tile")
+        if all(old.get("options", {}).get(k) == opts[k] for k in same):
+            for key in ("search", "flat", "time"):
+                data[key] = old.get(key) or data[key]
+    done = {(r["method"], r["W"]) for r in data["search"]}
     t0 = time.monotonic()
     bar = tqdm(unit="step", dynamic_ncols=True)
     for w in args.worlds:
         cluster = Cluster(w, memory=True)
         try:
             for method in args.methods:
-                if w == 4 and method in args.skip_w4:
+                if w == 4 and method in args.skip_w4 or (method, w) in done:
+                    continue
+                if method == "alst" and w not in args.alst_worlds:
                     continue
                 if method == "alst" and not ALST_PY.exists():
                     data["search"].append({"method": method, "W": w, "max_s": None,
@@ -226,11 +239,13 @@ def run(args, out: Path) -> dict:
                 write_json(out / "longest.json", data)
             tiled = [m for m in args.methods if m.startswith("ringattn")][-1:]
             for m in tiled:
+                if any(r["method"] == m and r["W"] == w for r in data["flat"]):
+                    continue
                 bar.set_postfix_str(f"{m} W={w} L={args.flat_l}")
                 data["flat"].append({"method": m, "W": w,
                                      **_measure(cluster, m, args.flat_l * w, opts)})
                 bar.update(1)
-            if w == 2:
+            if w == 2 and data["time"] is None:
                 ring = [m for m in args.methods if m.startswith("ringattn")]
                 bar.set_postfix_str(f"time per token at S={args.time_s}")
                 med = cluster.run(time_task, ring, args.time_s, opts, args.iters,
@@ -309,6 +324,10 @@ def main(argv=None) -> None:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--start", type=int, default=512, help="first S per rank of the search")
     ap.add_argument("--bisect", type=int, default=2)
+    ap.add_argument("--alst-worlds", type=int, nargs="*", default=[1],
+                    help="W searched for ALST (its steps at the S it reaches take minutes here)")
+    ap.add_argument("--alst-max-s", type=int, default=16384,
+                    help="ALST's search stops above it (a step there takes minutes here)")
     ap.add_argument("--skip-w4", nargs="*", default=["ringattn-tiled"],
                     help="methods not searched at W = 4 (each step there is slow on 2 cores)")
     ap.add_argument("--max-s", type=int, default=1 << 17, help="the search stops above it")
@@ -320,6 +339,8 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true",
                     help="V 4096, cap 24 MiB, W 1 and 2, one bisection (a smoke run)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the searches of an earlier run with the same options")
     args = ap.parse_args(argv)
     if args.quick:
         args.vocab, args.cap_mib, args.worlds, args.bisect = 4096, 24.0, [1, 2], 1

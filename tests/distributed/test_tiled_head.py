@@ -111,8 +111,9 @@ def test_a_rank_with_no_token(clusters):
 
 def untiled_and_refused():
     """Untiled with ``loss_tile=None`` and with ``gather_logits`` (logits returned, the same
-    loss); a model whose head soft-caps its logits without saying so in a field the table
-    reads is refused on every rank (and the ranks stay in step)."""
+    loss); a model with a forward of its own runs untiled; a family whose head soft-caps its
+    logits where the table says nothing is refused on every rank (and the ranks stay in
+    step)."""
     from transformers import LlamaForCausalLM
 
     from ringattn.integrations import transformers as ra_hf
@@ -143,13 +144,23 @@ def untiled_and_refused():
             from transformers.modeling_outputs import CausalLMOutputWithPast
             return CausalLMOutputWithPast(loss=loss, logits=logits)
 
-    capped = Capped(model.config)
+    capped = Capped(model.config)  # a forward of its own: untiled, its own loss
+    results["capped untiled"] = ra_hf.tile_problem(capped)
+    with ra_hf.context_parallel(capped, group):
+        results["capped logits"] = capped(**batch).logits is not None
+    # a transformers family whose head transform the table does not say (its row removed):
+    # the check against the model's own logits refuses it on every rank
+    from ringattn.integrations.transformers import head
+
+    gemma, row = build("gemma2", "ringattn"), head.TRANSFORMS.pop("gemma2")
     try:
-        with ra_hf.context_parallel(capped, group):
-            capped(**batch)
-        results["capped"] = "ran"
+        with ra_hf.context_parallel(gemma, group):
+            gemma(**batch)
+        results["unknown"] = "ran"
     except ValueError as exc:
-        results["capped"] = str(exc)
+        results["unknown"] = str(exc)
+    finally:
+        head.TRANSFORMS["gemma2"] = row
     with ra_hf.context_parallel(model, group):  # still in step
         out = model(**batch)
     results["after"] = rel_err(out.loss, one.loss)
@@ -161,7 +172,10 @@ def test_untiled_options_and_an_unknown_head(clusters):
     for rank, res in enumerate(clusters(2).run(untiled_and_refused, timeout=100)):
         assert res["none"][0] and res["none"][1] <= TOL, (rank, res)
         assert res["gathered"][0] and res["gathered"][1] <= TOL, (rank, res)
-        assert "Capped" in res["capped"] and "loss_tile=None" in res["capped"], (rank, res)
+        assert "Capped's forward is not one of transformers'" in res["capped untiled"], res
+        assert res["capped logits"], (rank, res)
+        assert "Gemma2ForCausalLM (gemma2) transforms its head's logits" in res["unknown"]
+        assert "loss_tile=None" in res["unknown"], (rank, res)
         assert res["after"] <= TOL, (rank, res)
 
 

@@ -364,6 +364,7 @@ class EagleRingTrainer(RingTrainer):
                             f"register(<target class>) before mtsp.convert")
         if ttt_padding not in PADDING_MODES:
             raise ValueError(f"ttt_padding must be one of {PADDING_MODES}, got {ttt_padding!r}")
+        kwargs.setdefault("loss_tile", None)  # ModelOpt's Eagle loss, not the causal-LM one
         super().__init__(*args, **kwargs)
         self.ttt_padding = ttt_padding
         self.train_accs: list[list[float]] = []

@@ -19,7 +19,8 @@ dtype. Every call checks it: the model's logits at the kept position must equal,
 bit, the head's output there after the row's transform; the first call of a model agrees on
 the outcome with every rank of the group, so a family whose head does something else is
 refused on every rank, naming it. A family whose head cannot be tiled this way (``UNTILED``,
-a forward without ``logits_to_keep``, a head that is not a ``torch.nn.Linear``, a loss
+a forward that is not transformers' own (a subclass's, ModelOpt's Eagle model: its loss
+may be another), a forward without ``logits_to_keep``, a head that is not a ``torch.nn.Linear``, a loss
 other than transformers' causal-LM loss) runs untiled: ``tile_problem`` says why.
 """
 
@@ -116,7 +117,11 @@ def tile_problem(model) -> str | None:
     family = getattr(config, "model_type", None)
     if family in UNTILED:
         return f"{family}: {UNTILED[family]}"
-    if "logits_to_keep" not in inspect.signature(type(model).forward).parameters:
+    forward = type(model).forward
+    if not getattr(forward, "__module__", "").startswith("transformers."):
+        return (f"{type(model).__name__}'s forward is not one of transformers' families' "
+                f"({getattr(forward, '__module__', None)}): its loss may be another one")
+    if "logits_to_keep" not in inspect.signature(forward).parameters:
         return f"{type(model).__name__}'s forward takes no logits_to_keep"
     if not isinstance(model.get_output_embeddings(), torch.nn.Linear):
         return f"{type(model).__name__}'s output head is not a torch.nn.Linear"
