@@ -278,6 +278,43 @@ def summarize(data) -> dict:
             "flat_max_over_min": max(flat) / min(flat) if flat else None}
 
 
+def markdown(data) -> str:
+    """The tables of docs/trainers.md and RESULTS.md, from a run's JSON."""
+    summary = summarize(data)
+    worlds = sorted({r["W"] for r in data["search"]})
+    lines = ["| method | " + " | ".join(f"W={w}: longest S (x W=1)" for w in worlds) + " |",
+             "|---|" + "---|" * len(worlds)]
+    for m in METHODS:
+        per = summary["longest"].get(m)
+        if not per:
+            continue
+        cells = []
+        for w in worlds:
+            rec = next((r for r in data["search"] if r["method"] == m and r["W"] == w), None)
+            v = per.get(w)
+            if rec is None:
+                cells.append("not run")
+            elif v is None or v["max_s"] is None:
+                cells.append("none fits" if not rec.get("error") else "failed")
+            else:
+                over = rec.get("first_over")
+                s = f"{v['max_s']}" + ("" if over else "+")
+                cells.append(s + (f" ({v['over_w1']:.2f}x)" if w > 1 and v["over_w1"] else ""))
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    out = "\n".join(lines)
+    if data["flat"]:
+        flat = ", ".join(f"W={r['W']}: {r['peak_mib']:.1f} MiB" for r in data["flat"])
+        out += (f"\n\nPer-rank step memory at S / W = {int(data['flat'][0]['L'])} "
+                f"({data['flat'][0]['method']}): {flat}; max / min "
+                f"{summary['flat_max_over_min']:.3f}.")
+    if data.get("time") and data["time"].get("over_untiled"):
+        t = data["time"]
+        ratios = ", ".join(f"{m} {r:.2f}" for m, r in t["over_untiled"].items() if m != "ringattn")
+        out += (f"\n\nStep time over the untiled step (W={t['W']}, S={t['S']}, median of the "
+                f"rounds, same run): {ratios}.")
+    return out
+
+
 def plot(data, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -341,7 +378,12 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--resume", action="store_true",
                     help="keep the searches of an earlier run with the same options")
+    ap.add_argument("--table", action="store_true",
+                    help="print the markdown tables of the last run's JSON, run nothing")
     args = ap.parse_args(argv)
+    if args.table:
+        print(markdown(json.loads(((args.out or RESULTS) / "longest.json").read_text())))
+        return
     if args.quick:
         args.vocab, args.cap_mib, args.worlds, args.bisect = 4096, 24.0, [1, 2], 1
         args.flat_l, args.time_s, args.iters, args.mlp_tile = 256, 256, 1, 128

@@ -312,6 +312,7 @@ RANKED = {
     ("trainers.md", 0): (_parallelism, _check_parallelism),
     ("trainers.md", 4): (_context_parallel, _check_context_parallel),
     ("trainers.md", 5): (_context_parallel_no_ddp, _check_context_parallel),
+    ("trainers.md", 6): (_context_parallel_no_ddp, _check_context_parallel),
 }
 """Blocks run on 2 ranks: (what makes their inputs, what checks their outputs)."""
 
