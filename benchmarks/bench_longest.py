@@ -37,8 +37,10 @@ cores: each step there is slow). Then:
 
 * memory per rank at a fixed L (``--flat-l`` tokens per rank) for each W
   (``ringattn-tiled``): flat in W means the step is O(S / W) per rank;
-* time per token at one S that every ringattn method fits at W = 2 (``--time-s``): each
-  tiled method's median step time over the untiled one's, measured in the same run.
+* time per token at one S at W = 2 (``--time-s``), with the default loss tile
+  (``--time-tile``; the searches use ``--loss-tile``, small enough for its [tile, V]
+  buffers to fit under the cap): each tiled method's median step time over the untiled
+  one's, measured in the same run (``--resume --time-only`` measures only this again).
 
 Writes ``<out>/longest.json`` and ``longest.png``.
 
@@ -212,6 +214,9 @@ def run(args, out: Path) -> dict:
         if all(old.get("options", {}).get(k) == opts[k] for k in same):
             for key in ("search", "flat", "time"):
                 data[key] = old.get(key) or data[key]
+            if args.time_only:
+                data["time"] = None
+                args.worlds = [2]
     done = {(r["method"], r["W"]) for r in data["search"]}
     t0 = time.monotonic()
     bar = tqdm(unit="step", dynamic_ncols=True)
@@ -219,7 +224,7 @@ def run(args, out: Path) -> dict:
         cluster = Cluster(w, memory=True)
         try:
             for method in args.methods:
-                if w == 4 and method in args.skip_w4 or (method, w) in done:
+                if w == 4 and method in args.skip_w4 or (method, w) in done or args.time_only:
                     continue
                 if method == "alst" and w not in args.alst_worlds:
                     continue
@@ -239,7 +244,7 @@ def run(args, out: Path) -> dict:
                 write_json(out / "longest.json", data)
             tiled = [m for m in args.methods if m.startswith("ringattn")][-1:]
             for m in tiled:
-                if any(r["method"] == m and r["W"] == w for r in data["flat"]):
+                if any(r["method"] == m and r["W"] == w for r in data["flat"]) or args.time_only:
                     continue
                 bar.set_postfix_str(f"{m} W={w} L={args.flat_l}")
                 data["flat"].append({"method": m, "W": w,
@@ -248,10 +253,12 @@ def run(args, out: Path) -> dict:
             if w == 2 and data["time"] is None:
                 ring = [m for m in args.methods if m.startswith("ringattn")]
                 bar.set_postfix_str(f"time per token at S={args.time_s}")
-                med = cluster.run(time_task, ring, args.time_s, opts, args.iters,
+                timing = {**opts, "loss_tile": args.time_tile}
+                med = cluster.run(time_task, ring, args.time_s, timing, args.iters,
                                   timeout=3600)[0]
                 base = med.get("ringattn")
-                data["time"] = {"W": w, "S": args.time_s, "median_s": med,
+                data["time"] = {"W": w, "S": args.time_s, "loss_tile": args.time_tile,
+                                "median_s": med,
                                 "over_untiled": {m: t / base for m, t in med.items()}
                                 if base else None}
                 bar.update(1)
@@ -310,8 +317,8 @@ def markdown(data) -> str:
     if data.get("time") and data["time"].get("over_untiled"):
         t = data["time"]
         ratios = ", ".join(f"{m} {r:.2f}" for m, r in t["over_untiled"].items() if m != "ringattn")
-        out += (f"\n\nStep time over the untiled step (W={t['W']}, S={t['S']}, median of the "
-                f"rounds, same run): {ratios}.")
+        out += (f"\n\nStep time over the untiled step (W={t['W']}, S={t['S']}, loss tile "
+                f"{t.get('loss_tile')}, median of the rounds, same run): {ratios}.")
     return out
 
 
@@ -373,6 +380,11 @@ def main(argv=None) -> None:
     ap.add_argument("--flat-l", type=int, default=2048)
     ap.add_argument("--time-s", type=int, default=512)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--time-tile", type=int, default=1024,
+                    help="loss tile of the timing runs (the default; the searches use "
+                         "--loss-tile, whose [tile, V] buffers must fit under the cap)")
+    ap.add_argument("--time-only", action="store_true",
+                    help="with --resume: measure only the step times again")
     ap.add_argument("--quick", action="store_true",
                     help="V 4096, cap 24 MiB, W 1 and 2, one bisection (a smoke run)")
     ap.add_argument("--out", type=Path, default=None)

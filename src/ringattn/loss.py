@@ -53,16 +53,16 @@ def _logits(h, weight, bias, logits_fn):
 
 
 def _tile_loss(h, weight, bias, target, valid, smoothing, z_coef, logits_fn):
-    """The sum of one tile's loss terms over its valid rows (float32 or float64)."""
+    """The sum of one tile's loss terms over its valid rows (float32 or float64): PyTorch's
+    fused cross-entropy (label smoothing included; ``target`` -1 where there is none), plus
+    the z-loss."""
     logits = _logits(h, weight, bias, logits_fn)  # [T, V]
-    lse = torch.logsumexp(logits, dim=-1)  # [T]
-    picked = logits.gather(1, target.clamp(min=0)[:, None])[:, 0]
-    terms = (1.0 - smoothing) * (lse - picked)
-    if smoothing:
-        terms = terms + smoothing * (lse - logits.mean(dim=-1))
+    total = torch.nn.functional.cross_entropy(logits, target, ignore_index=-1, reduction="sum",
+                                              label_smoothing=smoothing)
     if z_coef:
-        terms = terms + z_coef * lse.square()
-    return torch.where(valid, terms, torch.zeros_like(terms)).sum()
+        lse = torch.logsumexp(logits, dim=-1)
+        total = total + z_coef * torch.where(valid, lse.square(), torch.zeros_like(lse)).sum()
+    return total
 
 
 class _TiledLoss(torch.autograd.Function):
@@ -80,10 +80,13 @@ class _TiledLoss(torch.autograd.Function):
         need_h, need_w = want and hidden.requires_grad, want and weight.requires_grad
         need_b = want and bias is not None and bias.requires_grad
         d_hidden = torch.zeros_like(hidden) if need_h else None
-        d_weight = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, work),
-                               device=weight.device) if need_w else None
-        d_bias = torch.zeros(bias.shape, dtype=torch.promote_types(bias.dtype, work),
-                             device=bias.device) if need_b else None
+        acc_w = torch.promote_types(weight.dtype, work)
+        acc_b = None if bias is None else torch.promote_types(bias.dtype, work)
+        d_weight = d_bias = None  # the head's, summed over the tiles
+        if need_w and hidden.shape[0] == 0:
+            d_weight = torch.zeros(weight.shape, dtype=acc_w, device=weight.device)
+        if need_b and hidden.shape[0] == 0:
+            d_bias = torch.zeros(bias.shape, dtype=acc_b, device=bias.device)
         w = weight.detach().requires_grad_(need_w)
         b = None if bias is None else bias.detach().requires_grad_(need_b)
         for start in range(0, hidden.shape[0], tile):
@@ -96,10 +99,12 @@ class _TiledLoss(torch.autograd.Function):
             total = total + part.detach()
             if need_h:
                 d_hidden[sl] = grads.pop(0)
-            if need_w:
-                d_weight += grads.pop(0)
+            if need_w:  # the first tile's gradient is the sum so far (no zeros to add to)
+                g = grads.pop(0)
+                d_weight = g.to(acc_w) if d_weight is None else d_weight.add_(g)
             if need_b:
-                d_bias += grads.pop(0)
+                g = grads.pop(0)
+                d_bias = g.to(acc_b) if d_bias is None else d_bias.add_(g)
         # held on ctx, not saved: the backward scales them in place and hands them out
         ctx.grads = (d_hidden, d_weight, d_bias)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
