@@ -329,7 +329,7 @@ def plot(data, path: Path) -> None:
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
     styles = {1: "-", 2: "--", 4: ":"}
-    colors = dict(zip(METHODS, ("tab:red", "tab:orange", "tab:green", "tab:blue")))
+    colors = dict(zip(METHODS, ("tab:red", "tab:orange", "tab:green", "tab:blue", "tab:purple")))
     for r in data["search"]:
         pts = r.get("points") or []
         if pts:
@@ -391,10 +391,13 @@ def main(argv=None) -> None:
     ap.add_argument("--resume", action="store_true",
                     help="keep the searches of an earlier run with the same options")
     ap.add_argument("--table", action="store_true",
-                    help="print the markdown tables of the last run's JSON, run nothing")
+                    help="print the markdown tables of the last run's JSON and redraw its "
+                         "plot, run nothing")
     args = ap.parse_args(argv)
     if args.table:
-        print(markdown(json.loads(((args.out or RESULTS) / "longest.json").read_text())))
+        done = json.loads(((args.out or RESULTS) / "longest.json").read_text())
+        plot(done, (args.out or RESULTS) / "longest.png")
+        print(markdown(done))
         return
     if args.quick:
         args.vocab, args.cap_mib, args.worlds, args.bisect = 4096, 24.0, [1, 2], 1
