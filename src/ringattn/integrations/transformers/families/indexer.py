@@ -205,6 +205,25 @@ class _LocalKeys(Exception):
         self.keys = keys
 
 
+def check_selection(module, what: str, attention_mask, ctx, n: int, world: int):
+    """The checks every per-query selection over the whole sequence makes before its
+    agreement (raised there, on every rank): the ring strategy on a 1-D group, padding
+    through ``shard_batch``, a shard of the context's length. Returns (layout, row mask)."""
+    seqlen = ctx.seqlen
+    if ctx.mesh is not None or ctx.strategy != "ring":
+        raise ValueError(f"{what} runs with strategy 'ring' on a 1-D group (each rank holds "
+                         f"the selection of its own queries), got strategy {ctx.strategy!r}"
+                         + (" on a 2-D mesh" if ctx.mesh is not None else ""))
+    if attention_mask is not None and not isinstance(attention_mask, ModelMask):
+        raise TypeError(f"{type(module).__name__} got a dense attention mask; padding goes "
+                        f"through ringattn.shard_batch")
+    lay = get_layout(ctx.layout, ctx.cu_seqlens)
+    if lay.local_len(seqlen, world) != n:
+        raise ValueError(f"{what} got {n} tokens, but a shard of S={seqlen} on {world} ranks "
+                         f"({lay.name}) holds {lay.local_len(seqlen, world)}")
+    return lay, row_mask(module, attention_mask, ctx)
+
+
 def row_mask(module, attention_mask, ctx) -> Mask:
     """The mask of the indexer's score rows in global positions: what the attention module
     passes it (causal, a window), the batch's padding and documents."""
@@ -254,19 +273,8 @@ def _select(module, own, hidden, q_resid, position_embeddings, attention_mask, p
         if cache is not None:
             raise ValueError(f"{type(module).__name__} got a cache under context "
                              f"parallelism; call the model with use_cache=False")
-        if ctx.mesh is not None or ctx.strategy != "ring":
-            raise ValueError(f"the indexer's top-k selection runs with strategy 'ring' on a "
-                             f"1-D group (each rank holds the selection of its own queries), "
-                             f"got strategy {ctx.strategy!r}"
-                             + (" on a 2-D mesh" if ctx.mesh is not None else ""))
-        if attention_mask is not None and not isinstance(attention_mask, ModelMask):
-            raise TypeError(f"{type(module).__name__} got a dense attention mask; padding "
-                            f"goes through ringattn.shard_batch")
-        lay = get_layout(ctx.layout, ctx.cu_seqlens)
-        if lay.local_len(seqlen, world) != n:
-            raise ValueError(f"the indexer got {n} tokens, but a shard of S={seqlen} on {world} "
-                             f"ranks ({lay.name}) holds {lay.local_len(seqlen, world)}")
-        mask = row_mask(module, attention_mask, ctx)
+        lay, mask = check_selection(module, "the indexer's top-k selection", attention_mask,
+                                    ctx, n, world)
         try:
             own(hidden, q_resid, position_embeddings, attention_mask, position_ids,
                 cache=_Keys())

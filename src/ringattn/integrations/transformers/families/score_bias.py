@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from ....comm import resolve_group
-from ....layouts import get_layout, local_positions
+from ....layouts import local_positions
 from ....masks import and_keys
 from ....score_bias import ring_attention_with_bias
 from ....validate import caller_error
@@ -46,9 +46,9 @@ from .indexer import (
     _dtype_code,
     agreed_token,
     attach_selection,
+    check_selection,
     gather_sequence,
     row_chunks,
-    row_mask,
 )
 from .router import _local_positions
 
@@ -246,19 +246,8 @@ def _doge_selection(module, hidden, bias, attention_mask, ctx) -> torch.Tensor:
     seqlen, keep = ctx.seqlen, int(module.keep_window_size)
     error, fields, mask, lay = None, {}, None, None
     try:
-        if ctx.mesh is not None or ctx.strategy != "ring":
-            raise ValueError(f"doge's top keep_window_size={keep} keys per query run with "
-                             f"strategy 'ring' on a 1-D group (each rank holds the selection "
-                             f"of its own queries), got strategy {ctx.strategy!r}"
-                             + (" on a 2-D mesh" if ctx.mesh is not None else ""))
-        if attention_mask is not None and not isinstance(attention_mask, ModelMask):
-            raise TypeError(f"{type(module).__name__} got a dense attention mask; padding "
-                            f"goes through ringattn.shard_batch")
-        lay = get_layout(ctx.layout, ctx.cu_seqlens)
-        if lay.local_len(seqlen, world) != n:
-            raise ValueError(f"doge got {n} tokens, but a shard of S={seqlen} on {world} "
-                             f"ranks ({lay.name}) holds {lay.local_len(seqlen, world)}")
-        mask = row_mask(module, attention_mask, ctx)
+        lay, mask = check_selection(module, f"doge's top keep_window_size={keep} keys per "
+                                    f"query", attention_mask, ctx, n, world)
         fields = {"batch": b, "local_len": n, "seqlen": seqlen, "keep_window_size": keep,
                   "key_dim": bias.shape[1], "dtype": _dtype_code(hidden.dtype),
                   "layout": _crc(lay), "mask": _crc(mask.key())}
