@@ -16,9 +16,6 @@ from test_families import TOL
 
 pytest.importorskip("transformers")
 
-REFUSED = {
-}
-"""Family -> words of the reason ``convert_mixers`` gives."""
 CONVERTED = ("lfm3", "zaya", "bailing_hybrid", "inkling_text", "inkling2_text",
              "inkling2_loop_text")
 
@@ -53,23 +50,6 @@ def test_zaya_with_wider_convolutions_equals_one_process(clusters, worst_errors,
                 for what in ("logits", "loss", "grads"):
                     key = ("HF hybrids", what)
                     worst_errors[key] = max(worst_errors.get(key, (0.0, TOL)), (errs[what], TOL))
-
-
-@pytest.mark.parametrize("family", sorted(REFUSED))
-def test_refused_families_are_refused_with_their_reason(family):
-    from ringattn.integrations import transformers as ra_hf
-
-    ra_hf.register()
-    with pytest.raises(ValueError, match=REFUSED[family]):
-        ra_hf.convert_mixers(build(family, "ringattn"))
-    with pytest.raises(ValueError, match=REFUSED[family]):
-        ra_hf.convert(build(family, "ringattn"))
-    config, cls = FAMILIES[family]()
-    config._attn_implementation = "ringattn"
-    with pytest.raises(ValueError, match=REFUSED[family]):  # its reason, not a generic one
-        ra_hf.check_model(cls, config)
-    with pytest.raises(ValueError):
-        ra_hf.check_model(build(family, "ringattn"))
 
 
 @pytest.mark.parametrize("family", CONVERTED)
