@@ -136,7 +136,10 @@ def ring_attention_with_bias(q, k, v, rel_bias, *, rel_extent: int, query_sinks=
             softmax_scale=scale, layout=layout, seqlen=seqlen, mask=mask,
             cu_seqlens=cu_seqlens, return_lse=False, kernel="reference",
             backward_overlap=backward_overlap)
-    assert ring.kernel is get_kernel("reference", q.device, q.dtype)
+    if ring.kernel is not get_kernel("reference", q.device, q.dtype):  # the same on every rank
+        raise TypeError(f"a per-query score bias needs the reference kernel (the one that adds "
+                        f"it per block), but the ring got {ring.kernel.name!r} for "
+                        f"{q.device.type} {q.dtype}")
     q, k, v = unit_stride(q, k, v)
     table = rel_bias.contiguous()
     with no_autocast(q.device.type):
