@@ -59,9 +59,17 @@ def test_tiled_mlp_equals_the_untiled_model(name, tile, checkpointing):
     assert _close(_run(again, ids)[1], want[1])
 
 
-def test_experts_only_is_refused():
-    with pytest.raises(ValueError, match="has no per-token MLP to tile"):
-        ra_hf.tile_mlp(build("mixtral", "eager"), tile=4)
+def test_experts_only_is_left_and_named():
+    """A model whose every MLP routes tokens (Mixtral) is left as it is, each block named
+    with why, as the docs say (it once raised); a model with no MLP at all is refused."""
+    model = build("mixtral", "eager")
+    report = ra_hf.tile_mlp(model, tile=4)
+    assert report["tiled"] == [] and len(report["left"]) == model.config.num_hidden_layers
+    assert all("routes tokens" in why for why in report["left"].values()), report
+    assert ra_hf.tiled_mlps(model) is None
+    assert not any(type(m).__name__.startswith("Tiled") for m in model.modules())
+    with pytest.raises(ValueError, match="has no per-token MLP to tile .no module named mlp"):
+        ra_hf.tile_mlp(torch.nn.Sequential(torch.nn.Linear(2, 2)), tile=4)
 
 
 def test_bad_arguments():

@@ -89,12 +89,14 @@ def tile_mlp(model, tile: int = 1024) -> dict:
         tile: tokens per tile (an int >= 1); the same call again changes it.
 
     Returns:
-        {"tiled": [module names], "left": {module name: why not}}.
+        {"tiled": [module names], "left": {module name: why not}}: a routing block (a
+        mixture of experts) is left as it is and named, also when every block is one
+        (``tiled`` is then empty and ``tiled_mlps(model)`` None).
 
     Raises:
         TypeError: ``model`` is not a torch module; ``tile`` not an int.
-        ValueError: ``tile`` < 1; the model has no MLP ``tile_mlp`` can tile (naming why
-            for the first one found).
+        ValueError: ``tile`` < 1; the model has no module named ``mlp`` or
+            ``feed_forward`` at all.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"tile_mlp takes a torch.nn.Module, got {type(model).__name__}")
@@ -111,10 +113,11 @@ def tile_mlp(model, tile: int = 1024) -> dict:
             module.__class__ = _tiled_class(type(module))
         module._ringattn_tile = tile
         tiled.append(name)
-    if not tiled:
-        why = next(iter(left.values()), "no module named " + " or ".join(_NAMES))
-        raise ValueError(f"tile_mlp: {type(model).__name__} has no per-token MLP to tile ({why})")
-    model.__dict__[_RECORD] = tile
+    if not tiled and not left:
+        raise ValueError(f"tile_mlp: {type(model).__name__} has no per-token MLP to tile (no "
+                         f"module named {' or '.join(_NAMES)})")
+    if tiled:
+        model.__dict__[_RECORD] = tile
     return {"tiled": tiled, "left": left}
 
 
