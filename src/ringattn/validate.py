@@ -9,6 +9,8 @@ Legend: B batch, L local seq (S_pad / W), S global seq, H heads, Hkv kv heads, D
 * ``agreed``: ``check_local`` on every rank, then one metadata exchange, so that bad or
   inconsistent input raises the same error on every rank before any other collective.
 * ``heads_plan``: the ring plan of a subset of the query heads (strategies that split heads).
+* ``option_value``, ``option_text``: an option's value as every agreement of options
+  compares it (numbers by value, a tensor option by its shape and values).
 * ``check_strategy``, ``STRATEGY_NAMES``, ``STRATEGY_CHOICES``: strategy names.
 * autocast and stride helpers every strategy's entry applies; ``op_call_args`` and
   ``op_tensors``: the plain values of the compiled op pairs and back.
@@ -17,8 +19,11 @@ Legend: B batch, L local seq (S_pad / W), S global seq, H heads, Hkv kv heads, D
 from __future__ import annotations
 
 import contextvars
+import enum
 import functools
+import hashlib
 import math
+import numbers
 import struct
 import zlib
 from dataclasses import dataclass, replace
@@ -38,7 +43,8 @@ from .spec import BACKWARD_OVERLAP, AttnSpec
 __all__ = ["Checked", "FIELD_NAMES", "STRATEGY_CHOICES", "STRATEGY_NAMES", "agreed",
            "caller_error", "differentiable_once", "tag_result",
            "autocast_inputs", "check_local", "check_strategy", "effective_mask", "heads_plan",
-           "no_autocast", "op_call_args", "op_tensors", "optional_tensor", "unit_stride"]
+           "no_autocast", "op_call_args", "op_tensors", "optional_tensor", "option_text",
+           "option_value", "unit_stride"]
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _DEVICES = ("cpu", "cuda")
@@ -78,6 +84,129 @@ def describe_field(name: str, value: int) -> str:
     if name == "alibi_slopes":
         return "no ALiBi" if value == -2 else f"ALiBi slopes with digest {value}"
     return str(value)
+
+
+# ------------------------------------------------------------ an option's value, digested
+
+def option_value(value):
+    """The plain value an option stands for, by which the agreement compares it: a 0-d
+    tensor that does not require grad (under grad mode) is its ``.item()``; a real number
+    (int, float, a numpy scalar, a complex with no imaginary part; never a bool) is an
+    ``int`` when it is integral and else a ``float``, every NaN the one ``math.nan``; any
+    other value is itself. So ``1``, ``1.0``, ``torch.tensor(1.0)`` and
+    ``torch.tensor(1, dtype=torch.int8)`` are the same option, as ``==`` says; ``-0.0`` is
+    ``0``; NaN agrees with NaN (a NaN option is not refused here: it is the same NaN call on
+    every rank). A bool stays a bool: ``True`` and ``1`` differ (a flag is not a count, and
+    the messages can say ``True``)."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not (
+            value.requires_grad and torch.is_grad_enabled()):
+        try:
+            value = value.detach().item()  # (a device sync for a GPU tensor)
+        except (RuntimeError, NotImplementedError):  # meta or fake tensors: no value
+            return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Complex):
+        return value
+    if not isinstance(value, numbers.Real):
+        if value.imag != 0:
+            return complex(value)
+        value = value.real
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    f = float(value)
+    if math.isnan(f):
+        return math.nan
+    return int(f) if f.is_integer() else f
+
+
+def _number_text(n) -> str:
+    if isinstance(n, complex):
+        return f"complex({_number_text(option_value(n.real))}, {_number_text(option_value(n.imag))})"
+    return "nan" if isinstance(n, float) and math.isnan(n) else repr(n)
+
+
+_SMALL_TENSOR = 8
+"""Tensor options of at most this many elements are written out value by value (in the
+messages too); larger ones by a digest (blake2b) of their values."""
+
+
+def _tensor_values(t: torch.Tensor) -> str:
+    """A tensor's values as compared by ``option_text``: bools as bools, complex numbers as
+    (real, imaginary) pairs, other numbers as float64 (exact for every float dtype and for
+    integers up to 2**53; larger integer tensors are compared as int64), NaN as one NaN,
+    -0.0 as 0.0; not its dtype or device."""
+    data = t.detach()
+    if data.layout != torch.strided:
+        data = data.to_dense()
+    data = data.to("cpu")
+    if data.dtype == torch.bool:
+        kind, data = "bools", data.to(torch.uint8)
+    elif data.is_complex():
+        kind, data = "complex", torch.view_as_real(data.to(torch.complex128))
+    elif not data.is_floating_point() and data.numel() and int(data.abs().max()) > 1 << 53:
+        kind, data = "ints", data.to(torch.int64)
+    else:
+        kind, data = "reals", data.to(torch.float64)
+    if data.is_floating_point():
+        data = torch.where(data.isnan(), math.nan, data) + 0.0  # one NaN; -0.0 + 0.0 = 0.0
+    if data.numel() > _SMALL_TENSOR:
+        digest = hashlib.blake2b(data.contiguous().numpy().tobytes(), digest_size=8)
+        return f"{kind} with digest {digest.hexdigest()}"
+    if kind == "bools":
+        return repr([bool(x) for x in data.reshape(-1).tolist()])
+    if kind == "complex":
+        pairs = data.reshape(-1, 2).tolist()
+        return "[" + ", ".join(_number_text(option_value(complex(a, b))) for a, b in pairs) + "]"
+    return "[" + ", ".join(_number_text(option_value(x)) for x in data.reshape(-1).tolist()) + "]"
+
+
+def _type_name(value) -> str:
+    return f"an instance of {type(value).__module__}.{type(value).__qualname__}"
+
+
+def option_text(value, other=_type_name, _depth: int = 0) -> str:
+    """A text of an option's value, equal on two ranks exactly when they pass the same
+    option (the one digest every agreement of options uses: ``ringattn.mixers``' arguments,
+    ``context_parallel``'s keyword arguments and settings); readable, for the messages.
+
+    Values compare as ``option_value`` says (``1 == 1.0 == torch.tensor(1.0)``, NaN ==
+    NaN, ``True != 1``); a tensor of any other shape, or one that requires grad, by its
+    shape, its values (``_tensor_values``: after promotion to float64, so the same values
+    in float32 and float64 agree, while ``torch.tensor(0.1)`` and
+    ``torch.tensor(0.1, dtype=torch.float64)`` differ, as their values do; never its device,
+    whose index is each rank's own) and its requires_grad (it decides which gradients
+    backward computes); tuples and lists alike, item by item; dicts by their items in
+    sorted order; dtypes by name; devices by type. Anything else goes to ``other``
+    (default: its type only), e.g. the mixers name a callable by its qualified name.
+
+    Arguments:
+        value: the option, as the caller passed it.
+        other: text of a value that is none of the above (a callable, an object).
+    """
+    value = option_value(value)
+    if value is None or isinstance(value, (bool, str, bytes)):
+        return repr(value)
+    if isinstance(value, (int, float, complex)):
+        return _number_text(value)
+    if isinstance(value, torch.Tensor):
+        grad = ", requires_grad" if value.requires_grad and torch.is_grad_enabled() else ""
+        try:
+            values = _tensor_values(value)
+        except (RuntimeError, NotImplementedError, TypeError):  # meta/fake: no values
+            values = f"values unread ({value.dtype} on {value.device.type})"
+        return f"tensor({list(value.shape)}, {values}{grad})"
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, torch.device):
+        return f"device {value.type}"  # the index is each rank's own
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__module__}.{type(value).__qualname__}.{value.name}"
+    if _depth < 8 and isinstance(value, (tuple, list)):
+        return "(" + ", ".join(option_text(v, other, _depth + 1) for v in value) + ")"
+    if _depth < 8 and isinstance(value, dict):
+        items = sorted(f"{option_text(k, other, _depth + 1)}: {option_text(v, other, _depth + 1)}"
+                       for k, v in value.items())
+        return "{" + ", ".join(items) + "}"
+    return other(value)
 
 
 def effective_mask(spec: AttnSpec, mask: Mask | None, cu: tuple[int, ...] | None) -> Mask:

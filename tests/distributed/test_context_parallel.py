@@ -9,10 +9,13 @@ group (by DDP over the group, or by ``average_gradients``), with the reference g
 (fp32, 1e-5 relative); the weights after the steps too. Batches: plain rows, left and
 right padding, packed documents (position ids restarting at 0), S not a multiple of W or
 2W; W = 2 and 3. Then the refusals: each raised on every rank, the ranks still in step
-afterwards (the next call works).
+afterwards (the next call works); keyword options compared by value (a 0-d tensor
+``num_items_in_batch`` that differs is refused; 40, 40.0 and tensor(40) agree, as NaN
+does with NaN).
 """
 
 import copy
+import math
 
 import pytest
 import torch
@@ -210,6 +213,19 @@ def refusals():
         seen["logits_to_keep=1"] = _refused(lambda: model(**batch, logits_to_keep=1))
         seen["generate"] = _refused(lambda: model.generate(
             input_ids=batch["input_ids"], max_new_tokens=2, do_sample=False))
+        # keyword options by value: a 0-d tensor that differs is refused, NaN against a
+        # number too; the same value as an int, a float or a tensor agrees (one result)
+        seen["num_items_in_batch differing tensors"] = _refused(lambda: model(
+            **batch, num_items_in_batch=torch.tensor(41 if rank == 1 else 40)))
+        seen["num_items_in_batch NaN on rank 0"] = _refused(lambda: model(
+            **batch, num_items_in_batch=math.nan if rank == 0 else 40.0))
+        with torch.no_grad():
+            count = (40, 40.0, torch.tensor(40))[rank % 3]
+            counted = model(**batch, num_items_in_batch=count).loss
+            nan = torch.tensor(math.nan) if rank == 1 else math.nan
+            seen["num_items_in_batch NaN everywhere"] = _refused(
+                lambda: model(**batch, num_items_in_batch=nan))
+            counted_ref = ref(**batch, use_cache=False, num_items_in_batch=40).loss
         out = model(**batch)  # still in step after every refusal
         out.loss.backward()
         ra_hf.average_gradients(model)
@@ -229,6 +245,7 @@ def refusals():
     one.loss.backward()
     errs = {"loss": rel_err(out.loss.detach(), one.loss.detach()),
             "again": rel_err(again.loss.detach(), one.loss.detach()),
+            "num_items_in_batch as 40, 40.0, tensor(40)": rel_err(counted, counted_ref),
             "grads": max(rel_err(p.grad, q.grad)
                          for p, q in zip(model.parameters(), ref.parameters()))}
     return seen, hooks, errs
@@ -255,7 +272,12 @@ def test_refusals_on_every_rank(clusters, world):
             "generate": ("ValueError", "carries a KV cache"),
             "after exit": ("ValueError", "needs the batch's ring_context"),
             "the wrapped model too": ("ValueError", "already active on LlamaForCausalLM"),
+            "num_items_in_batch differing tensors": (
+                "ValueError", "ranks disagree on num_items_in_batch: "),
+            "num_items_in_batch NaN on rank 0": ("ValueError", "rank 0 has nan"),
         }
+        assert seen.pop("num_items_in_batch NaN everywhere") is None, rank  # agreed, no hang
+        assert "rank 1 has 41" in seen["num_items_in_batch differing tensors"][1], rank
         assert set(seen) == set(expect), (rank, sorted(seen))
         for case, (cls, words) in expect.items():
             assert seen[case] is not None and seen[case][0] == cls, (rank, case, seen[case])

@@ -1,8 +1,11 @@
-"""ringattn.mixers agree on the whole call: every public function's every option, and every
-tensor argument's identity (dtype, shape but the sequence dim of a shard, requires_grad,
-None or not), so ranks that differ in one raise the same ValueError naming it, on every
-rank, before any exchange; an argument given positionally or by keyword, or left at its
-default, is the same argument. And a rank with no token (S < W, a shard of padding only)
+"""ringattn.mixers agree on the whole call: every public function's every option by its
+value (a tensor option, such as a 0-d ``scale``, a ``dt_limit`` of tensors or ``A``, by its
+shape, values and requires_grad; a shard by its identity: dtype, shape but the sequence
+dim, requires_grad, None or not), so ranks that differ in one raise the same ValueError
+naming it, on every rank, before any exchange; an argument given positionally or by
+keyword, or left at its default, is the same argument, and so are equal values spelled
+otherwise (1 and 1.0, a 0-d tensor and its number, the same values in another dtype, NaN
+and NaN), which give the one result. And a rank with no token (S < W, a shard of padding only)
 gets zero gradients for every tensor argument that requires grad, never None: outputs and
 gradients equal a float64 loop in one process on every rank, and the parameters' shares
 sum to the one-process gradient. Three gloo ranks, started once for the module."""
@@ -175,6 +178,34 @@ def option_cases():
     case("lr params", 2, lambda o: rec(transition, params=() if o else (p,)))
     case("lr out_shape", 0, lambda o: rec(transition, out_shape=(1, 3) if o else (3,)))
 
+    # an option is compared by its value, a tensor option too (not its dtype, shape and
+    # requires_grad only: two ranks with other 0-d scales once mixed silently)
+    t0 = torch.tensor
+    case("gdn scale 0-d tensors", 1, lambda o: gdn(
+        t["g"], t["beta"], scale=t0(0.25 if o else 0.5), **kw))
+    case("gdn scale NaN", 2, lambda o: gdn(t["g"], t["beta"], scale=math.nan if o else 0.5, **kw))
+    case("gdn scale requires grad", 0, lambda o: gdn(
+        t["g"], t["beta"], scale=t0(0.5, dtype=torch.float64).requires_grad_(o), **kw))
+    case("gdn use_qk_l2norm 1 for True", 1, lambda o: gdn(
+        t["g"], t["beta"], use_qk_l2norm=1 if o else True, **kw))  # a flag is not a count
+    case("ssd dt_limit 0-d tensors", 2, lambda o: ssd(
+        dt_limit=(t0(0.0), t0(0.25 if o else 0.5)), **kw))
+    case("ssd dt_limit a tensor", 0, lambda o: ssd(dt_limit=t0([0.0, 0.5 if o else math.inf]), **kw))
+    case("ssd dt_limit -inf", 1, lambda o: ssd(dt_limit=(-math.inf if o else 0.0, math.inf), **kw))
+    case("ssd dt_limit 0.1 in float32", 2, lambda o: ssd(  # float32's 0.1 is another number
+        dt_limit=(t0(0.1) if o else 0.1, math.inf), **kw))
+    case("ssd A values", 0, lambda o: mixers.mamba2_ssd(
+        t["hs"], t["dt"], t["A"] - 0.1 if o else t["A"], t["B"], t["C"], **kw))
+    case("ssd dt_bias one value", 1, lambda o: ssd(
+        dt_bias=t["dt_bias"] + torch.tensor([0.0, 1e-9 if o else 0.0], dtype=torch.float64),
+        **kw))
+    case("conv weight values", 2, lambda o: conv(t["x"], t["w"] * 2 if o else t["w"], **kw))
+    case("wkv time_decay values", 0, lambda o: mixers.wkv(
+        -t["td"] if o else t["td"], t["tf"], t["key"], t["value"], **kw))
+    case("mlstm eps 0-d tensor", 1, lambda o: ml(
+        eps=t0(1e-5 if o else 1e-6, dtype=torch.float64), **kw))
+    case("lr params values", 2, lambda o: rec(transition, params=(p + 1,) if o else (p,)))
+
     # one step to the side: the same call, spelled differently on one rank, agrees (one
     # line makes each call: the agreement compares the caller's line too)
     same = {}
@@ -202,6 +233,46 @@ def option_cases():
     check("ssd dt_limit as a list, explicit", ssd, ((), dict(D=t["D"], **kw)),
           ((), dict(D=t["D"], dt_limit=[0.0, math.inf], dt_softplus=False, **kw)))
     check("mlstm eps explicit", ml, ((), kw), ((), dict(eps=1e-6, **kw)))
+
+    # equal values in another spelling agree (1 and 1.0, a 0-d tensor and its number, the
+    # same values in another dtype, -0.0 and 0.0, -inf and NaN as tensors or floats) and give
+    # the one result
+    one = torch.tensor(1.0)
+    check("gdn scale 1 and 1.0", gdn, ((g_, beta), dict(scale=1.0, **kw)),
+          ((g_, beta), dict(scale=1, **kw)))
+    check("gdn scale a 0-d tensor and its float", gdn, ((g_, beta), dict(scale=0.5, **kw)),
+          ((g_, beta), dict(scale=torch.tensor(0.5), **kw)))
+    check("gdn scale 0-d tensors of two dtypes", gdn,
+          ((g_, beta), dict(scale=torch.tensor(0.375, dtype=torch.float64), **kw)),
+          ((g_, beta), dict(scale=torch.tensor(0.375, dtype=torch.float16), **kw)))
+    check("ssd dt_limit 0-d tensors and floats", ssd, ((), dict(dt_limit=(0.0, 0.5), **kw)),
+          ((), dict(dt_limit=(torch.tensor(0.0), torch.tensor(0.5)), **kw)))
+    check("ssd dt_limit ints and floats", ssd, ((), dict(dt_limit=(0.0, 1.0), **kw)),
+          ((), dict(dt_limit=(0, one), **kw)))
+    check("ssd dt_limit a tensor in two dtypes", ssd,
+          ((), dict(dt_limit=torch.tensor([0.0, 0.5], dtype=torch.float64), **kw)),
+          ((), dict(dt_limit=torch.tensor([0.0, 0.5], dtype=torch.bfloat16), **kw)))
+    check("ssd dt_limit -inf, a float and a tensor", ssd,
+          ((), dict(dt_limit=(-math.inf, math.inf), **kw)),
+          ((), dict(dt_limit=(torch.tensor(-math.inf), math.inf), **kw)))
+    check("ssd dt_limit -0.0 and 0.0", ssd, ((), dict(dt_limit=(0.0, math.inf), **kw)),
+          ((), dict(dt_limit=(-0.0, math.inf), **kw)))
+    a32 = t["A"].float()  # values a float32 holds exactly: the same A in either dtype
+    check("ssd A in float32 and float64, equal values", mixers.mamba2_ssd,
+          ((t["hs"], t["dt"], a32.double(), t["B"], t["C"]), kw),
+          ((t["hs"], t["dt"], a32, t["B"], t["C"]), kw))
+    check("mlstm eps a 0-d tensor", ml, ((), dict(eps=1e-6, **kw)),
+          ((), dict(eps=torch.tensor(1e-6, dtype=torch.float64), **kw)))
+    check("lr params of two dtypes", rec, ((transition,), dict(params=(p,))),
+          ((transition,), dict(params=(p.float(),))))
+    # NaN agrees with NaN (the one NaN call on every rank, not a refusal, not a hang)
+    nan_ref = spelled(gdn, ((g_, beta), dict(scale=math.nan, **kw)),
+                      ((g_, beta), dict(scale=math.nan, **kw)))
+    nan_got = spelled(gdn, ((g_, beta), dict(scale=math.nan, **kw)),
+                      ((g_, beta), dict(scale=torch.tensor(float("nan")), **kw)))
+    same["gdn scale NaN, a float and a tensor"] = 0.0 if bool(
+        torch.equal(nan_got.isnan(), nan_ref.isnan())
+        and torch.equal(nan_got.nan_to_num(), nan_ref.nan_to_num())) else math.inf
     check("mlstm keywords, seqlen implied", mixers.mlstm,
           ((t["mq"], t["mk"], t["mv"], t["ig"], t["fg"]), kw),
           ((), dict(query=t["mq"], key=t["mk"], value=t["mv"], igate=t["ig"], fgate=t["fg"],
@@ -221,6 +292,13 @@ _EXPECT = {  # case -> the argument its message names
     "mlstm eps": "eps", "mlstm eps last bit": "eps", "mlstm kernel": "kernel",
     "lr transition": "transition", "lr kind": "kind", "lr state_dtype": "state_dtype",
     "lr params": "params", "lr out_shape": "out_shape",
+    "gdn scale 0-d tensors": "scale", "gdn scale NaN": "scale",
+    "gdn scale requires grad": "scale", "gdn use_qk_l2norm 1 for True": "use_qk_l2norm",
+    "ssd dt_limit 0-d tensors": "dt_limit", "ssd dt_limit a tensor": "dt_limit",
+    "ssd dt_limit -inf": "dt_limit", "ssd dt_limit 0.1 in float32": "dt_limit",
+    "ssd A values": "A", "ssd dt_bias one value": "dt_bias", "conv weight values": "weight",
+    "wkv time_decay values": "time_decay", "mlstm eps 0-d tensor": "eps",
+    "lr params values": "params",
 }
 
 
@@ -243,8 +321,17 @@ def test_every_argument_is_agreed(clusters):
     assert "False" in said["gdn use_qk_l2norm"][1], said["gdn use_qk_l2norm"]
     assert "rank 2 has 0.5" in said["gdn scale"][1] and "None" in said["gdn scale"][1]
     assert "0.5000000000000001" in said["gdn scale last bit"][1], said["gdn scale last bit"]
-    assert "rank 2 has None" in said["ssd D None"][1] and "torch.float64 tensor [2]" in \
+    assert "rank 2 has None" in said["ssd D None"][1] and "a 1-d tensor (values digest" in \
         said["ssd D None"][1], said["ssd D None"]
+    for case, *words in (
+            ("gdn scale 0-d tensors", "rank 1 has 0.25", "ranks 0, 2 have 0.5"),
+            ("gdn scale NaN", "rank 2 has nan", "ranks 0, 1 have 0.5"),
+            ("gdn scale requires grad", "rank 0 has a 0-d tensor requiring grad",
+             "ranks 1, 2 have 0.5"),
+            ("gdn use_qk_l2norm 1 for True", "rank 1 has 1", "ranks 0, 2 have True"),
+            ("ssd dt_limit 0.1 in float32", "rank 2 has a sequence of 2 items"),
+            ("mlstm eps 0-d tensor", "rank 1 has 1e-05", "ranks 0, 2 have 1e-06")):
+        assert all(w in said[case][1] for w in words), (case, said[case])
     assert "'silu'" in said["conv activation"][1], said["conv activation"]
     assert "1e-05" in said["mlstm eps"][1] and "1e-06" in said["mlstm eps"][1]
     assert "torch.float32 tensor [1, S_local, 3]" in said["diag x dtype"][1], said["diag x dtype"]

@@ -27,7 +27,6 @@ import functools
 import hashlib
 import inspect
 import math
-import numbers
 import struct
 import zlib
 
@@ -37,7 +36,7 @@ import torch.distributed as dist
 from ..comm import ROW_INTS, agree, all_gather_single, caller_site, group_members, reduce_scatter_single, resolve_group, site_digest
 from ..layouts import DEFAULT_LAYOUT, LAYOUT_NAMES, SHARD_TAG, check_origin, check_tag, get_layout
 from ..masks import check_cu_seqlens
-from ..validate import describe_field
+from ..validate import describe_field, option_text, option_value
 from ._plan import Plan, conv_sources, make_plan
 
 __all__ = ["causal_conv1d", "linear_recurrence"]
@@ -59,17 +58,19 @@ _SETUP_FIELDS = ("batch", "local_len", "seqlen", "layout", "cu_seqlens", "dtype"
                  "needs_grad", "caller")
 _MAX_EXTRA = 2  # the most fields a function's own ``extra_check`` adds
 
-# One int64 per argument. A float is its IEEE-754 bits (every NaN as the one quiet NaN), so
-# equal floats, and only they, agree, and every rank can print what each rank passed. Other
-# values are positive quiet-NaN bit patterns that no float takes here: exponent all ones, a
-# tag in bits 48-51 (neither 0, infinity, nor 8, the canonical NaN) and a 48-bit payload:
-# the value itself where it fits (None, a bool, a small int, a short string, a tensor's
-# dtype, requires_grad and small shape), else a stable digest (blake2b) of a canonical text.
+# One int64 per argument. An option is first its ``option_value`` (1, 1.0 and a 0-d tensor
+# 1.0 alike; every NaN one NaN). A float is its IEEE-754 bits, so equal floats, and only
+# they, agree, and every rank can print what each rank passed. Other values are positive
+# quiet-NaN bit patterns that no float takes here: exponent all ones, a tag in bits 48-51
+# (neither 0, infinity, nor 8, the canonical NaN) and a 48-bit payload: the value itself
+# where it fits (None, a bool, a small int, a short string, a shard's dtype, requires_grad
+# and small shape), else a stable digest (blake2b) of its ``option_text`` (a tensor option
+# by its values).
 _NAN_BITS = 0x7FF8000000000000
 _EXP_BITS = 0x7FF0000000000000
 _PAYLOAD = (1 << 48) - 1
-_NONE, _BOOL, _INT, _BYTES, _WORD, _SEQ, _TENSOR, _CALLABLE, _BIG, _STR, _OTHER, _DTYPE = (
-    1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13)
+_NONE, _BOOL, _INT, _BYTES, _WORD, _SEQ, _TENSOR, _CALLABLE, _BIG, _STR, _OTHER, _DTYPE, \
+    _VALUES = (1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14)
 _WORD_CHARS = "abcdefghijklmnopqrstuvwxyz_-. /"  # 5 bits a character (0: none), 9 of them
 _TENSOR_DTYPES = (None, torch.float32, torch.float64, torch.float16, torch.bfloat16,
                   torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
@@ -85,8 +86,8 @@ def _digest(text: str, bits: int = 48) -> int:
 def _callable_name(f) -> str:
     """What names a callable alike on every rank of one program (never its address)."""
     if isinstance(f, functools.partial):
-        return (f"partial({_callable_name(f.func)}, {_canonical(f.args, False)}, "
-                f"{_canonical(f.keywords, False)})")
+        return (f"partial({_callable_name(f.func)}, {option_text(f.args, _other_text)}, "
+                f"{option_text(f.keywords, _other_text)})")
     qualname = getattr(f, "__qualname__", None)
     if isinstance(qualname, str):
         owner = getattr(f, "__self__", None)
@@ -96,37 +97,31 @@ def _callable_name(f) -> str:
     return f"an instance of {type(f).__module__}.{type(f).__qualname__}"
 
 
-def _tensor_text(t: torch.Tensor, sharded: bool) -> str:
-    shape = ["S_local" if sharded and i == 1 else str(d) for i, d in enumerate(t.shape)]
+def _tensor_text(t: torch.Tensor) -> str:
+    """A shard's identity: dtype, shape but its sequence dim, requires_grad (its values are
+    each rank's own)."""
+    shape = ["S_local" if i == 1 else str(d) for i, d in enumerate(t.shape)]
     grad = ", requires_grad" if t.requires_grad and torch.is_grad_enabled() else ""
     return f"tensor({t.dtype}, [{', '.join(shape)}]{grad})"
 
 
-def _canonical(v, sharded: bool) -> str:
-    """A text equal on two ranks exactly when ``v`` is the same argument there: values by
-    their exact repr, tensors by identity (dtype, shape with a shard's sequence dim left
-    out, requires_grad), callables by qualified name."""
-    if v is None or isinstance(v, (bool, str, bytes)):
-        return repr(v)
-    if isinstance(v, numbers.Integral):
-        return f"int {int(v)}"
-    if isinstance(v, numbers.Real):
-        f = float(v)
-        return "float nan" if math.isnan(f) else f"float {f!r}"
-    if isinstance(v, torch.Tensor):
-        return _tensor_text(v, sharded)
-    if isinstance(v, (tuple, list)):
-        return "(" + ", ".join(_canonical(x, sharded) for x in v) + ")"
-    if isinstance(v, dict):
-        return "{" + ", ".join(sorted(f"{_canonical(k, False)}: {_canonical(x, sharded)}"
-                                      for k, x in v.items())) + "}"
-    if isinstance(v, torch.dtype):
-        return str(v)
-    if isinstance(v, torch.device):
-        return f"device {v.type}"  # the index is each rank's own
+def _other_text(v) -> str:
+    """``option_text`` of a callable (its qualified name) or another object (its type)."""
     if callable(v):
         return "callable " + _callable_name(v)
     return f"an instance of {type(v).__module__}.{type(v).__qualname__}"
+
+
+def _canonical(v, sharded: bool) -> str:
+    """A text equal on two ranks exactly when ``v`` is the same argument there: a shard
+    (``sharded``: a tensor, or tensors, whose dim 1 is the sequence) by its identity
+    (``_tensor_text``), anything else by its value (``option_text``: numbers by value, a
+    tensor option by its shape and values, callables by qualified name)."""
+    if sharded and isinstance(v, torch.Tensor):
+        return _tensor_text(v)
+    if sharded and isinstance(v, (tuple, list)):
+        return "(" + ", ".join(_canonical(x, True) for x in v) + ")"
+    return option_text(v, _other_text)
 
 
 def _tagged(tag: int, payload: int) -> int:
@@ -135,17 +130,17 @@ def _tagged(tag: int, payload: int) -> int:
 
 def _encode(v, sharded: bool) -> int:
     """The agreement's int64 for one argument (``sharded``: a shard, or shards, whose dim 1
-    is the sequence); ``_describe`` reads it back."""
+    is the sequence: compared by identity, not value); ``_describe`` reads it back."""
+    if not sharded:
+        v = option_value(v)
     if v is None:
         return _tagged(_NONE, 0)
     if isinstance(v, bool):
         return _tagged(_BOOL, int(v))
-    if isinstance(v, numbers.Integral):
-        v = int(v)
+    if isinstance(v, int):
         return _tagged(_INT, v) if -(1 << 47) <= v < 1 << 47 else _tagged(_BIG, _digest(str(v)))
-    if isinstance(v, numbers.Real):
-        f = float(v)
-        return _NAN_BITS if math.isnan(f) else struct.unpack("<q", struct.pack("<d", f))[0]
+    if isinstance(v, float):
+        return _NAN_BITS if math.isnan(v) else struct.unpack("<q", struct.pack("<d", v))[0]
     if isinstance(v, str):
         if 0 < len(v) <= 9 and all(c in _WORD_CHARS for c in v):
             code = 0
@@ -156,10 +151,14 @@ def _encode(v, sharded: bool) -> int:
         if len(raw) <= 6 and b"\0" not in raw:
             return _tagged(_BYTES, int.from_bytes(raw, "big"))
         return _tagged(_STR, _digest(repr(v)))
+    if isinstance(v, torch.Tensor) and not sharded:  # an option: its shape and values
+        grad = int(v.requires_grad and torch.is_grad_enabled())
+        return _tagged(_VALUES, grad << 47 | min(v.dim(), 7) << 44
+                       | _digest(_canonical(v, False), 44))
     if isinstance(v, torch.Tensor):
         code = _TENSOR_DTYPES.index(v.dtype) if v.dtype in _TENSOR_DTYPES else 0
         grad = int(v.requires_grad and torch.is_grad_enabled())
-        dims = [0 if sharded and i == 1 else int(d) for i, d in enumerate(v.shape)]
+        dims = [0 if i == 1 else int(d) for i, d in enumerate(v.shape)]
         head = code << 44 | grad << 43 | min(len(dims), 7) << 40
         width = 39 // max(len(dims), 1)
         if len(dims) < 7 and all(d < 1 << width for d in dims):
@@ -167,7 +166,7 @@ def _encode(v, sharded: bool) -> int:
             for d in dims:
                 packed = packed << width | d
             return _tagged(_TENSOR, head | 1 << 39 | packed)
-        return _tagged(_TENSOR, head | _digest(_tensor_text(v, sharded), 39))
+        return _tagged(_TENSOR, head | _digest(_tensor_text(v), 39))
     if isinstance(v, torch.dtype) and v in _TENSOR_DTYPES:
         return _tagged(_DTYPE, _TENSOR_DTYPES.index(v))
     if isinstance(v, (tuple, list)):
@@ -209,6 +208,10 @@ def _describe(code: int, sharded: bool) -> str:
         return f"a callable (digest {p})"
     if tag == _DTYPE:
         return str(_TENSOR_DTYPES[p]) if 0 < p < len(_TENSOR_DTYPES) else f"dtype {p}"
+    if tag == _VALUES:
+        ndim = p >> 44 & 7
+        return (f"a {ndim if ndim < 7 else '7+'}-d tensor"
+                f"{' requiring grad' if p >> 47 else ''} (values digest {p & ((1 << 44) - 1)})")
     if tag == _TENSOR:
         dtype = _TENSOR_DTYPES[p >> 44] if p >> 44 < len(_TENSOR_DTYPES) else None
         what = f"a {dtype} tensor" if dtype is not None else "a tensor of another dtype"
@@ -270,9 +273,13 @@ def agreed(*, sharded: tuple[str, ...] = ()):
     The wrapper binds the call to the function's own signature (defaults applied: an
     argument given positionally or by keyword, or left at its default, is the same
     argument) and hands the call's ``_setup`` one field per parameter (``_encode``: a
-    float's exact bits, a small value itself, a tensor's dtype, shape and requires_grad
-    with the sequence dim of the ``sharded`` arguments left out, a callable's qualified
-    name, else a digest), except the few ``_ELSEWHERE`` agrees on otherwise: ranks that
+    ``sharded`` argument, whose values are each rank's own, by its dtype, shape without the
+    sequence dim and requires_grad; every other argument by its value, as
+    ``ringattn.validate.option_value`` and ``option_text`` compare options: a number by
+    value (1, 1.0 and a 0-d tensor 1.0 agree; NaN agrees with NaN; True and 1 differ), a
+    tensor option (a 0-d ``scale``, a ``dt_limit`` of tensors, ``A``, a conv weight) by its
+    shape, its values after promotion to float64 and its requires_grad, not its dtype or
+    device, a callable by its qualified name), except the few ``_ELSEWHERE`` agrees on otherwise: ranks that
     differ in any of them raise one ValueError naming it, on every rank, before any
     exchange. A public function called inside another before its ``_setup`` (e.g.
     ``gated_delta_rule``'s ``linear_recurrence``) is covered by the outer call's fields.

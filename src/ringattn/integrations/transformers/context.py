@@ -28,9 +28,11 @@ the shard; nothing else is hooked and nothing is patched):
 
 * before the forward: every rank checks that the WHOLE call is the same on all of them, by
   construction rather than by a list of known arguments: each keyword argument's presence,
-  each tensor's shape, dtype and a CRC of its bytes, each other value by a CRC of a
-  canonical text of it (``num_items_in_batch``, ``return_dict``, ``output_router_logits``,
-  a flattening collator's ``max_length_q``, ... and whatever a later transformers adds).
+  each batch tensor's shape, dtype and a CRC of its bytes, each other value by a CRC of a
+  canonical text of it (``ringattn.validate.option_text``: by value, so ``1`` and ``1.0``
+  agree, and a 0-d tensor by its value: ``num_items_in_batch``, ``return_dict``,
+  ``output_router_logits``, a flattening collator's ``max_length_q``, ... and whatever a
+  later transformers adds).
   One exchange of a small integer row through ringattn's agreement: the batch tensors each
   get their own fields, the other arguments one combined digest; when anything differs,
   the ranks exchange the arguments' descriptions once more, so a rank with another batch, a
@@ -90,7 +92,6 @@ gathered with ``gather_logits``).
 from __future__ import annotations
 
 import contextlib
-import enum
 import re
 import zlib
 
@@ -102,7 +103,7 @@ from ...comm import ROW_INTS, agree, collective, resolve_group
 from ...layouts import DEFAULT_LAYOUT, same_tag
 from ...loss import DEFAULT_TILE, check_tile
 from ...sharding import positions, unshard
-from ...validate import check_strategy
+from ...validate import check_strategy, option_text
 from .attention import check_attention
 from .batch import shard_for
 from .checks import check_model
@@ -195,32 +196,23 @@ def _digest(t: torch.Tensor) -> int:
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
-def _canonical(value, depth: int = 0) -> str:
-    """A text of a keyword argument's value that is the same on ranks given the same value:
-    tensors by dtype, shape and contents (the values of small ones), containers item by
-    item, plain values by repr, other objects by their type and their repr without memory
-    addresses (which differ between processes)."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() <= 8 and value.layout == torch.strided:
-            return f"tensor({value.detach().cpu().tolist()}, dtype={value.dtype})"
-        return (f"tensor of dtype {value.dtype}, shape {tuple(value.shape)}, "
-                f"CRC {_digest(value):#010x}")
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes, torch.dtype,
-                                           enum.Enum)):
-        return repr(value)
-    if depth < 8 and isinstance(value, (list, tuple)):
-        items = ", ".join(_canonical(v, depth + 1) for v in value)
-        return f"{type(value).__name__}[{items}]"
-    if depth < 8 and isinstance(value, dict):
-        items = sorted((_canonical(k, depth + 1), _canonical(v, depth + 1))
-                       for k, v in value.items())
-        return "dict{" + ", ".join(f"{k}: {v}" for k, v in items) + "}"
+def _object_text(value) -> str:
+    """An object that is no plain value: its type and its repr without memory addresses
+    (which differ between processes)."""
     kind = f"{type(value).__module__}.{type(value).__qualname__}"
     try:
         text = _ADDRESS.sub("", repr(value))
     except (AttributeError, TypeError, ValueError, RuntimeError):  # the type alone
         text = ""
     return f"{kind} {text}" if text else kind
+
+
+def _canonical(value) -> str:
+    """A text of a keyword argument's value that is the same on ranks given the same value:
+    ``ringattn.validate.option_text`` (numbers by value, so ``1`` and ``1.0`` agree and NaN
+    agrees with NaN; a tensor by its shape and values, written out when small; containers
+    item by item), other objects by their type and their repr without memory addresses."""
+    return option_text(value, _object_text)
 
 
 def _short(text: str, limit: int = 160) -> str:
