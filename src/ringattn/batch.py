@@ -161,9 +161,13 @@ def shard_batch(batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, extra_
         A dict: ``input_ids`` [B, L]; ``position_ids`` [B, L] (global positions, or
         positions inside each document when packed; RoPE needs these); when labels are
         given, ``labels`` and ``shift_labels`` [B, L] (the target of each local token,
-        taken from the global sequence: padding, document ends and the last token get
-        ``ignore_index``; so does a padding token followed by a real one, whose prediction
-        transformers counts although it attends to padding only) and
+        taken from the global sequence: token i's is ``labels[i + 1]``, as in one process;
+        padding and the last token get ``ignore_index``; so does a padding token followed
+        by a real one, whose prediction transformers counts although it attends to padding
+        only. A packed row's document ends keep the next document's first label, as one
+        process counts it with ``labels = input_ids``: give documents' first labels
+        ``ignore_index``, as ``DataCollatorWithFlattening`` does, for no target across
+        documents) and
         ``num_items_in_batch`` (the GLOBAL count of targets, so the model's loss is this
         rank's share of the global mean); ``ring_context`` (a ``RingContext`` for the
         attention function); and the ``extra_keys``.
@@ -230,8 +234,6 @@ def shard_batch(batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, extra_
         if keep is not None:  # no target is padding, and no padding token has a target
             shifted[:, :-1].masked_fill_(keep[:, 1:] == 0, ignore_index)
             shifted.masked_fill_(keep == 0, ignore_index)
-        if cu is not None:  # a document's last token has no target in the next document
-            shifted[:, [c - 1 for c in cu[1:]]] = ignore_index
         shifted_local = shard(shifted, **kw)
         shifted_local = same_tag(shifted_local.masked_fill(~real.to(ids.device), ignore_index),
                                  shifted_local)

@@ -21,17 +21,29 @@ Under context parallelism it takes this rank's shard of the hidden states and th
 sequence, so the target of a shard's last token is the next shard's first token, and
 document ends, padding and slots past S are ``ignore_index``) with ``num_items_in_batch``,
 the global count: the ranks' losses then sum to the one-process loss, as the model's own
-loss does. In one process, pass ``labels[:, 1:]`` beside ``hidden[:, :-1]``.
+loss does. In one process, pass the model's unshifted ``labels=`` (shifted as transformers
+shifts them), or ``shift_labels=labels[:, 1:]`` beside ``hidden[:, :-1]``.
 """
 
 from __future__ import annotations
 
+import re
+
 import torch
+
+from .layouts import SHARD_TAG
+from .structure import plain_layer_problem
 
 __all__ = ["tiled_lm_loss"]
 
-DEFAULT_TILE = 1024
-"""Rows per tile: [1024, 152k] fp32 logits are 0.6 GB, and a larger tile gains little."""
+DEFAULT_TILE = "64MiB"
+"""The default tile: a budget of one tile's logits in bytes (float32, or float64 for float64
+inputs), so the rows follow from the vocabulary: 110 rows at V = 151936, 524 at 32000,
+everything at once for a tiny vocabulary. A tile's transient buffers (its logits, their
+softmax and its gradient) are a few times the budget; a larger tile gains little speed."""
+
+_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+_BUDGET = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB)\s*$")
 
 
 def check_tile(tile, name: str = "tile") -> int:
@@ -41,6 +53,33 @@ def check_tile(tile, name: str = "tile") -> int:
     if tile < 1:
         raise ValueError(f"{name} must be an int >= 1, got {tile!r}")
     return tile
+
+
+def check_loss_tile(tile, name: str = "loss_tile"):
+    """A loss tile: rows (an int >= 1) or a budget of one tile's logits in bytes (a string
+    such as ``"64MiB"``: an integer and one of B, KiB, MiB, GiB), returned as given (a
+    budget normalised to ``"<n>B"``); else a TypeError or ValueError naming ``name``."""
+    if isinstance(tile, str):
+        found = _BUDGET.match(tile)
+        if found is None or int(found.group(1)) * _UNITS[found.group(2)] < 1:
+            raise ValueError(f"{name} must be rows (an int >= 1) or a byte budget such as "
+                             f"'64MiB' (an integer >= 1 and one of {list(_UNITS)}), got {tile!r}")
+        return f"{int(found.group(1)) * _UNITS[found.group(2)]}B"
+    if not isinstance(tile, int) or isinstance(tile, bool):
+        raise TypeError(f"{name} must be rows (an int >= 1) or a byte budget such as '64MiB', "
+                        f"got {tile!r}")
+    return check_tile(tile, name)
+
+
+def tile_rows(tile, vocab: int, dtype: torch.dtype, name: str = "loss_tile") -> int:
+    """The rows of a loss tile (``check_loss_tile``'s value) for a head of ``vocab`` outputs
+    whose logits the loss computes in ``dtype`` (float32, or float64 for float64 inputs):
+    a byte budget gives ``budget // (vocab * itemsize)`` rows, at least 1."""
+    tile = check_loss_tile(tile, name)
+    if isinstance(tile, int):
+        return tile
+    size = torch.empty((), dtype=torch.promote_types(dtype, torch.float32)).element_size()
+    return max(1, int(tile[:-1]) // max(1, vocab * size))
 
 
 def _logits(h, weight, bias, logits_fn):
@@ -125,23 +164,48 @@ class _TiledLoss(torch.autograd.Function):
         return (*out, None, None, None, None, None, None, None)
 
 
-def tiled_lm_loss(hidden: torch.Tensor, lm_head, labels: torch.Tensor, *,
-                  ignore_index: int = -100, num_items_in_batch=None, tile: int = DEFAULT_TILE,
+def _shifted(labels, ignore_index: int) -> torch.Tensor:
+    """transformers' shift of unshifted labels: token i's target is ``labels[..., i + 1]``,
+    the last token's ``ignore_index``. A shard is refused (its last target is elsewhere)."""
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a tensor, got {type(labels).__name__}")
+    tag = getattr(labels, SHARD_TAG, None)
+    if tag is not None:
+        raise TypeError(f"labels= is a shard ({tag.layout} layout, S={tag.seqlen}): shifting "
+                        f"it here would lose the target of its last token, which is the next "
+                        f"shard's first label; pass shard_batch's shift_labels= instead")
+    pad = torch.full_like(labels[..., :1], ignore_index)
+    return torch.cat([labels[..., 1:], pad], dim=-1)
+
+
+def tiled_lm_loss(hidden: torch.Tensor, lm_head, *, shift_labels: torch.Tensor | None = None,
+                  labels: torch.Tensor | None = None, ignore_index: int = -100, num_items_in_batch=None, tile=DEFAULT_TILE,
                   label_smoothing: float = 0.0, z_loss: float = 0.0,
                   logits_fn=None) -> torch.Tensor:
-    """The causal-LM loss of ``lm_head(hidden)`` against ``labels``, one tile of logits at a
-    time (forward and backward).
+    """The causal-LM loss of ``lm_head(hidden)`` against each token's target, one tile of
+    logits at a time (forward and backward). Give the targets as ``shift_labels`` (already
+    shifted: what transformers' loss names so) or as ``labels`` (unshifted, shifted here as
+    transformers shifts them), never both, by keyword.
 
     Arguments:
         hidden: [B, L, H] (or [N, H]) the decoder's last hidden states (after its final norm).
-        lm_head: a ``torch.nn.Linear`` (weight [V, H], bias or none) or its weight tensor.
-        labels: [B, L] (or [N]) the TARGET of each token, already shifted: the
+        lm_head: a ``torch.nn.Linear`` (weight [V, H], bias or none; exactly that class,
+            or FSDP2's ``fully_shard`` of one: see ``structure.plain_layer_problem``) or its weight
+            tensor.
+        shift_labels: [B, L] (or [N]) the TARGET of each token, already shifted: the
             ``shift_labels`` of ``ringattn.shard_batch`` under context parallelism; in one
             process ``labels[:, 1:]`` beside ``hidden[:, :-1]``. ``ignore_index``: no target.
+        labels: [B, L] (or [N]: one sequence) the labels of the tokens, unshifted, as a
+            transformers model takes them: token i's target is ``labels[..., i + 1]``, the
+            last token has none. One process only: a shard's labels (a tagged shard from
+            ``ringattn.shard`` or ``shard_batch``) are refused, since the target of its last
+            token lies on another rank; pass ``shard_batch``'s ``shift_labels`` instead.
         num_items_in_batch: the count to divide by (an int or a 0-d tensor: the GLOBAL
             count under context parallelism, as ``shard_batch`` gives it); None: the count
             of this call's targets (a mean).
-        tile: rows of logits computed at once (>= 1).
+        tile: how many rows of logits are computed at once: an int >= 1, or a budget of
+            one tile's logits in bytes (a string such as ``"64MiB"``, the default: the rows
+            follow from V and the logits' dtype, ``tile_rows``).
         label_smoothing: PyTorch's ``cross_entropy(label_smoothing=)``, in [0, 1).
         z_loss: the coefficient of ``logsumexp(logits)^2`` per target (PaLM's z-loss).
         logits_fn: None, or what the model does to the head's output before its loss,
@@ -154,19 +218,32 @@ def tiled_lm_loss(hidden: torch.Tensor, lm_head, labels: torch.Tensor, *,
         divided by the count.
 
     Raises:
-        TypeError: ``lm_head`` is not a Linear or a 2-D weight, or an argument's type.
-        ValueError: shapes that do not match, a tile < 1, a label outside [0, V) that is
+        TypeError: ``lm_head`` is not a plain Linear (a subclass, an adapter, a hook:
+            ``structure.plain_layer_problem`` names it) or a 2-D weight, or an argument's
+            type; neither or both of ``shift_labels`` and ``labels``; ``labels`` that are a
+            shard.
+        ValueError: shapes that do not match, a tile < 1 or an unreadable budget, a label outside [0, V) that is
             not ``ignore_index``, a smoothing outside [0, 1), a negative z-loss, a count <= 0.
     """
-    if isinstance(lm_head, torch.nn.Linear):
+    if (shift_labels is None) == (labels is None):
+        raise TypeError("tiled_lm_loss takes the targets as shift_labels= (already shifted) or "
+                        "as labels= (unshifted, shifted as transformers shifts them), by "
+                        f"keyword: got {'both' if labels is not None else 'neither'}")
+    if labels is not None:
+        shift_labels = _shifted(labels, ignore_index)
+    if isinstance(lm_head, torch.nn.Module):
+        problem = plain_layer_problem(lm_head)
+        if problem is not None:
+            raise TypeError(f"tiled_lm_loss computes a plain linear head from its weight, "
+                            f"without its forward, and {problem}: compute this head's loss "
+                            f"untiled")
         weight, bias = lm_head.weight, lm_head.bias
     elif isinstance(lm_head, torch.Tensor) and lm_head.dim() == 2:
         weight, bias = lm_head, None
     else:
         raise TypeError(f"lm_head must be a torch.nn.Linear or its [V, H] weight, got "
-                        f"{type(lm_head).__name__} (a head that is not a plain linear map: "
-                        f"softcapped or biased otherwise, is not served)")
-    return head_loss(hidden, weight, bias, labels, ignore_index=ignore_index,
+                        f"{type(lm_head).__name__}")
+    return head_loss(hidden, weight, bias, shift_labels, ignore_index=ignore_index,
                      num_items_in_batch=num_items_in_batch, tile=tile,
                      label_smoothing=label_smoothing, z_loss=z_loss, logits_fn=logits_fn)
 
@@ -184,7 +261,7 @@ def head_loss(hidden, weight, bias, labels, *, ignore_index=-100, num_items_in_b
                          f"{tuple(labels.shape)} plus the head's input size {weight.shape[1]}")
     if labels.dtype.is_floating_point or labels.dtype == torch.bool:
         raise TypeError(f"labels must be integer token ids, got {labels.dtype}")
-    check_tile(tile)
+    tile = tile_rows(tile, weight.shape[0], hidden.dtype, "tile")
     if not 0.0 <= float(label_smoothing) < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
     if float(z_loss) < 0.0 or float(z_loss) != float(z_loss):

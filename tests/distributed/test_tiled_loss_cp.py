@@ -43,14 +43,14 @@ def tiled_cases():
         head.zero_grad()
         shifted = torch.full_like(batch["labels"], -100)
         shifted[:, :-1] = batch["labels"][:, 1:]
-        ref = ra.tiled_lm_loss(full, head, shifted, tile=S * rows)  # untiled: one tile
+        ref = ra.tiled_lm_loss(full, head, shift_labels=shifted, tile=S * rows)  # untiled: one tile
         ref.backward()
         ref_w, ref_h = head.weight.grad.clone(), full.grad.clone()
         head.zero_grad()
         local = ra.shard_batch(batch)
         cu = local["ring_context"].cu_seqlens
         mine = ra.shard(hidden_all[:rows], seqlen=S, cu_seqlens=cu).detach().requires_grad_()
-        loss = ra.tiled_lm_loss(mine, head, local["shift_labels"], tile=3,
+        loss = ra.tiled_lm_loss(mine, head, shift_labels=local["shift_labels"], tile=3,
                                 num_items_in_batch=local["num_items_in_batch"])
         loss.backward()
         total = loss.detach().clone()

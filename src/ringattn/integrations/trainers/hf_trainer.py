@@ -123,7 +123,7 @@ from ...validate import check_strategy
 from ...batch import shard_batch
 from ...comm import hybrid_mesh
 from ...layouts import DEFAULT_LAYOUT
-from ...loss import DEFAULT_TILE, check_tile
+from ...loss import DEFAULT_TILE, check_loss_tile
 from ...sharding import unshard
 from ..transformers import check_attention, check_model, tiled_call
 
@@ -158,9 +158,10 @@ class RingTrainerMixin:
             With ``TrainingArguments(parallelism_config=...)``, None or the config's
             cp_size (the config then gives the mesh, and FSDP2 shards the parameters).
         loss_tile: the training loss is computed from the decoder's hidden states in tiles
-            of this many tokens (``ringattn.tiled_lm_loss``: never more than one tile's
-            logits alive; the same loss and gradients); None: the model's own untiled
-            loss. Families whose head the tiles cannot follow run untiled
+            (``ringattn.tiled_lm_loss``: never more than one tile's logits alive; the same
+            loss and gradients) of this many tokens (an int), or of as many tokens as a
+            budget of one tile's logits allows (a string: ``"64MiB"``, the default, is 110
+            tokens at a 152k vocabulary); None: the model's own untiled loss. Families whose head the tiles cannot follow run untiled
             (``integrations.transformers.head.tile_problem``). Evaluation is untiled.
 
     Raises:
@@ -180,9 +181,9 @@ class RingTrainerMixin:
 
     def __init__(self, *args, layout: str = DEFAULT_LAYOUT, cp_size: int | None = None,
                  strategy: str = "ring", ulysses_size: int = 8,
-                 loss_tile: int | None = DEFAULT_TILE, **kwargs):
+                 loss_tile: int | str | None = DEFAULT_TILE, **kwargs):
         super().__init__(*args, **kwargs)
-        self.loss_tile = None if loss_tile is None else check_tile(loss_tile, "loss_tile")
+        self.loss_tile = None if loss_tile is None else check_loss_tile(loss_tile, "loss_tile")
         if not dist.is_initialized():
             raise ValueError(f"{type(self).__name__} needs torch.distributed initialised: "
                              "launch it with torchrun, or accelerate launch with a distributed_type: MULTI_GPU "

@@ -6,14 +6,22 @@ from __future__ import annotations
 
 import zlib
 
+import torch
+
 from ...batch import shard_batch
+from ...layouts import same_tag
 from ...comm import agree, resolve_group
 from ...layouts import DEFAULT_LAYOUT
 from .attention import check_attention
 from .checks import POSITIONS_FROM_MASK, check_model, global_router_loss
 from .state import conversion
 
-__all__ = ["prepare_batch", "shard_for"]
+__all__ = ["MODEL_IGNORE", "prepare_batch", "shard_for"]
+
+MODEL_IGNORE = -100
+"""The label transformers' causal-LM loss ignores (its ``ignore_index``, which models do
+not let a caller change): the targets handed to a model carry it where there is none,
+whatever ``ignore_index`` marked them in the caller's labels."""
 
 
 def prepare_batch(model, batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, **kwargs) -> dict:
@@ -28,11 +36,14 @@ def prepare_batch(model, batch: dict, *, group=None, layout: str = DEFAULT_LAYOU
         batch, group, layout, kwargs: as for ``ringattn.shard_batch``.
 
     Returns:
-        This rank's shard of the batch, for ``model(**local)``.
+        This rank's shard of the batch, for ``model(**local)``: ``labels`` and
+        ``shift_labels`` hold -100 where there is no target (what the model's loss ignores),
+        whatever ``ignore_index`` the caller's labels use.
 
     Raises:
         ValueError: from ``check_attention`` (the model's attention is not ring
-            attention), ``check_model`` or ``shard_batch``.
+            attention), ``check_model`` or ``shard_batch``; labels holding -100 beside
+            another ``ignore_index``.
     """
     _agree_on_model(model, group)
     return shard_for(model, batch, group=group, layout=layout, **kwargs)
@@ -46,7 +57,20 @@ def shard_for(model, batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT, *
     if family in POSITIONS_FROM_MASK and keep is not None and batch.get("position_ids") is None:
         keep = keep.long()
         batch = {**batch, "position_ids": keep.cumsum(1) * keep - 1}
-    return shard_batch(batch, group=group, layout=layout, **kwargs)
+    ignore = kwargs.get("ignore_index", -100)
+    labels = batch.get("labels")
+    if ignore != MODEL_IGNORE and isinstance(labels, torch.Tensor) and bool(
+            (labels == MODEL_IGNORE).any()):
+        raise ValueError(f"labels hold {MODEL_IGNORE}, which transformers' loss ignores, while "
+                         f"ignore_index={ignore} marks the tokens without a target: use one of "
+                         f"the two")
+    local = shard_batch(batch, group=group, layout=layout, **kwargs)
+    if ignore != MODEL_IGNORE and "shift_labels" in local:  # the model's loss ignores -100
+        targets = same_tag(local["shift_labels"].masked_fill(local["shift_labels"] == ignore,
+                                                             MODEL_IGNORE),
+                           local["shift_labels"])
+        local["labels"] = local["shift_labels"] = targets
+    return local
 
 
 def _model_digest(model) -> int:

@@ -10,12 +10,16 @@ classes and its hooks, never its config, which other models may share.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
+
 from . import state
 
-__all__ = ["ATTENTION_FAMILIES", "BLOCK_SPARSE_LAYERS", "BUILT_EAGER", "KWARGS_STOP",
+__all__ = ["ATTENTION_FAMILIES", "BLOCK_SPARSE_LAYERS", "BUILT_EAGER", "KWARGS_STOP", "LOSS_TERMS",
            "MIXER_FAMILIES", "MIXER_LAYERS",
            "NAME", "NOT_ATTENTION_KWARGS", "POSITIONS_FROM_MASK", "REFUSED", "check_model",
-           "converted", "convertible", "global_router_loss", "mixers_converted"]
+           "converted", "convertible", "global_router_loss", "loss_terms", "mixers_converted"]
 
 NAME = "ringattn"
 
@@ -200,6 +204,66 @@ def _config_problem(config, router: bool = True, mixers: bool = True, model=None
     return None
 
 
+LOSS_TERMS: dict = {
+    "loss+=self.router_aux_loss_coef*aux_loss.to(loss.device)":
+        ("router", "router_aux_loss_coef", "output_router_logits"),
+    "loss+=self.aux_loss_coef*aux_loss.to(loss.device)":  # JetMoe's name
+        ("router", "aux_loss_coef", "output_router_logits"),
+    "loss=loss+self.z_loss_coefficient*z_loss":  # Bamba: logsumexp(logits)^2, mean over B x S
+        ("z_loss", "z_loss_coefficient", None),
+}
+"""Every statement by which a transformers family's causal-LM forward adds a term to the loss
+of ``self.loss_function`` (whitespace and comments removed) -> (the term, the model attribute
+weighing it, the config flag that turns it on, if any). Read from the forward's source, by
+structure: a statement not listed makes ``check_model`` refuse the family, naming it. A
+``router`` term is exact once ``convert`` made it global (``families/router.py``); a
+``z_loss`` term (a mean over every position's logits, which no rank holds) is refused
+while its coefficient is not 0. ``tests/unit/test_loss_terms.py`` keeps the table complete
+against the family survey."""
+
+_LOSS_START = re.compile(r"^loss\s*(\+=|-=|\*=|/=|=)")
+
+
+@functools.lru_cache(maxsize=None)
+def loss_terms(cls: type) -> tuple:
+    """The statements of ``cls.forward`` that change its loss after ``self.loss_function``
+    computed it (normalised as ``LOSS_TERMS``'s keys); () for a forward that is not a
+    transformers family's own or whose source cannot be read."""
+    forward = getattr(cls, "forward", None)
+    if not getattr(forward, "__module__", "").startswith("transformers."):
+        return ()
+    try:
+        source = inspect.getsource(forward)
+    except (OSError, TypeError):
+        return ()
+    found = []
+    for line in source.splitlines():
+        code = "".join(line.split("#", 1)[0].split())
+        if (_LOSS_START.match(code) and "self.loss_function(" not in code
+                and code != "loss=None" and not code.startswith("loss=loss,")):
+            found.append(code)
+    return tuple(found)
+
+
+def _loss_term_problem(cls: type, name: str, weight) -> str | None:
+    """Why a term ``cls``'s forward adds to its loss is not exact under CP, or None;
+    ``weight(attribute)`` reads a term's coefficient (the model's attribute, or for a class
+    its config's field). Router terms are checked in ``_config_problem``."""
+    for code in loss_terms(cls):
+        row = LOSS_TERMS.get(code)
+        if row is None:
+            return (f"{name}'s forward adds a term to its loss that ringattn does not know "
+                    f"({code!r}): each rank would compute it over its own shard")
+        term, attribute, _ = row
+        value = weight(attribute)
+        if term == "z_loss" and value not in (None, 0, 0.0):
+            return (f"{name} adds a z-loss ({attribute}={value}): the mean of every "
+                    f"position's logsumexp(logits)^2, which no rank holds under context "
+                    f"parallelism (each rank would average its own shard); set "
+                    f"{attribute}=0 (model.{attribute} and its config)")
+    return None
+
+
 def _computes_attention_itself(what: str, config=None) -> str:
     """check_model's message for a model that never calls the attention interface (with a
     composite ``config``, one holding a ``text_config``, it says what is served instead)."""
@@ -256,6 +320,10 @@ def check_model(model, config=None) -> None:
     built = not isinstance(model, type)
     problem = None if config is None or isinstance(config, property) else _config_problem(
         config, router=built, mixers=built, model=model if built else None)
+    if problem is None:  # a built model's own coefficients; a class's config fields
+        problem = _loss_term_problem(
+            cls, family or cls.__name__,
+            (lambda a: getattr(model, a, None)) if built else (lambda a: getattr(config, a, None)))
     if problem is not None:
         raise ValueError(f"ring attention cannot run {cls.__name__} exactly: {problem}")
 

@@ -46,18 +46,21 @@ the shard; nothing else is hooked and nothing is patched):
   of the whole sequence ([B, S, V], O(S V) memory per rank) replace the local ones.
 * with labels, the loss is computed in tiles (``loss_tile``, on by default: the decoder's
   hidden states against the shard's targets, one tile of logits alive at a time, forward
-  and backward; ``ringattn.tiled_lm_loss``) and ``out.logits`` is None; ``loss_tile=None``
-  or ``gather_logits=True`` keep the model's own untiled loss and its logits.
+  and backward; ``ringattn.tiled_lm_loss``) and ``out.logits`` is a ``LogitsNotComputed``
+  that raises on any use, saying how to get them: ``loss_tile=None`` or
+  ``gather_logits=True`` keep the model's own untiled loss and its logits.
 
 Targets: ``out.loss`` counts exactly the targets the model's own loss counts on the whole
 batch in one process (token i predicts ``labels[i + 1]`` unless that is ``ignore_index``):
 
 * packed rows (position ids restarting at 0, or ``cu_seq_lens_q``): MATCHED. One process
   counts the target of a document's last token in the next document's first label (with
-  labels = input_ids); so does the manager: it takes that target from the global row
-  (``shard_batch`` alone gives it ``ignore_index``), and that token's logits, computed in
-  its own document, are one process's. A flattening collator's labels (-100 at each
-  document's first token) have no such target either way.
+  labels = input_ids); so does every entry point (``shard_batch``, ``prepare_batch``, the
+  trainers, this manager), and that token's logits, computed in its own document, are one
+  process's. A flattening collator's labels (-100 at each document's first token) have no
+  such target either way.
+* ``ignore_index``: the label that marks no target in the caller's labels; the model's
+  shard carries -100 there, the label transformers' loss ignores.
 * padding (``attention_mask`` 0): REFUSED when a target would involve it. A padding
   token's prediction (left padding: its query sees no real key) cannot be computed on
   shards as one process computes it, and the target of a real token in a padding label is
@@ -100,12 +103,12 @@ import torch.distributed as dist
 
 from ... import comm
 from ...comm import ROW_INTS, agree, collective, resolve_group
-from ...layouts import DEFAULT_LAYOUT, same_tag
-from ...loss import DEFAULT_TILE, check_tile
-from ...sharding import positions, unshard
+from ...layouts import DEFAULT_LAYOUT
+from ...loss import DEFAULT_TILE, check_loss_tile
+from ...sharding import unshard
 from ...validate import check_strategy, option_text
 from .attention import check_attention
-from .batch import shard_for
+from .batch import MODEL_IGNORE, shard_for
 from .checks import check_model
 from .head import tiled_call
 
@@ -365,25 +368,6 @@ def _check_targets(batch: dict, ignore_index: int) -> None:
                 f"({ignore_index}, e.g. -100), as one process should not count them either")
 
 
-def _targets_across_documents(local: dict, labels: torch.Tensor, pg, layout: str,
-                              ignore_index: int) -> None:
-    """Give each document's last token of a packed row the target one process gives it,
-    the next document's first label (``shard_batch`` gives it ``ignore_index``): ``local``'s
-    labels become this rank's slots of the labels shifted on the global row (padding slots
-    ``ignore_index``), ``num_items_in_batch`` their global count. Targets involving padding
-    were refused before (``_check_targets``), so the plain shift is the one-process one."""
-    ctx = local["ring_context"]
-    s = ctx.seqlen
-    shifted = torch.full_like(labels, ignore_index)
-    shifted[:, :-1] = labels[:, 1:]
-    pos = positions(s, group=pg, layout=layout, cu_seqlens=ctx.cu_seqlens)[0]
-    pos = pos.to(labels.device)
-    mine = shifted[:, pos.clamp(max=s - 1)].masked_fill(~(pos < s), ignore_index)
-    mine = same_tag(mine, local["labels"])
-    local["labels"] = local["shift_labels"] = mine
-    local["num_items_in_batch"] = (shifted != ignore_index).sum()
-
-
 def average_gradients(model, group=None) -> None:
     """Average every parameter's gradient over ``group`` (an all-reduce sum divided by W):
     without DDP, what makes the gradients after ``backward`` under ``context_parallel``
@@ -444,7 +428,7 @@ def average_gradients(model, group=None) -> None:
 @contextlib.contextmanager
 def context_parallel(model, group=None, *, layout: str = DEFAULT_LAYOUT, strategy: str = "ring",
                      gather_logits: bool = False, extra_keys=(), ignore_index: int = -100,
-                     loss_tile: int | None = DEFAULT_TILE):
+                     loss_tile: int | str | None = DEFAULT_TILE):
     """Shard every batch ``model`` is called with over ``group``; make the loss global.
 
     Arguments:
@@ -456,9 +440,11 @@ def context_parallel(model, group=None, *, layout: str = DEFAULT_LAYOUT, strateg
         gather_logits: replace ``out.logits`` (this rank's shard [B, L, V], in the layout's
             order) by the whole sequence's [B, S, V] on every rank (O(S V) memory).
         loss_tile: with labels, compute the loss from the decoder's hidden states in tiles
-            of this many tokens (``ringattn.tiled_lm_loss``: one tile's logits alive at a
-            time, forward and backward; the same loss and gradients), ``out.logits`` then
-            None; None: the model's own untiled loss and logits. Families whose head the
+            (``ringattn.tiled_lm_loss``: one tile's logits alive at a time, forward and
+            backward; the same loss and gradients) of this many tokens (an int) or of as
+            many as a budget of one tile's logits allows (a string: ``"64MiB"``, the
+            default); ``out.logits`` then raises on use (``head.LogitsNotComputed``); None:
+            the model's own untiled loss and logits. Families whose head the
             tiles cannot follow run untiled (``head.tile_problem``); ``gather_logits``
             turns tiling off.
 
@@ -496,7 +482,7 @@ def context_parallel(model, group=None, *, layout: str = DEFAULT_LAYOUT, strateg
     except (TypeError, ValueError) as exc:
         error = exc
     if loss_tile is not None:
-        loss_tile = check_tile(loss_tile, "loss_tile")
+        loss_tile = check_loss_tile(loss_tile, "loss_tile")
     if gather_logits:
         loss_tile = None
     settings = {"layout": layout, "strategy": strategy, "gather_logits": bool(gather_logits),
@@ -527,15 +513,13 @@ def context_parallel(model, group=None, *, layout: str = DEFAULT_LAYOUT, strateg
         count = batch.pop("num_items_in_batch", None)
         local = shard_for(inner, batch, group=group, layout=layout, strategy=strategy,
                           extra_keys=extra_keys, ignore_index=ignore_index)
-        if batch.get("labels") is not None and local["ring_context"].cu_seqlens is not None:
-            _targets_across_documents(local, batch["labels"], pg, layout, ignore_index)
         if count is not None and "num_items_in_batch" in local:
             local["num_items_in_batch"] = count
         current["ctx"] = local["ring_context"]
         stale = current.pop("call", None)
         if stale is not None:  # an earlier call that raised before its forward hook ran
             stale.abandon()
-        call = tiled_call(inner, local, loss_tile, ignore_index) if "shift_labels" in local \
+        call = tiled_call(inner, local, loss_tile, MODEL_IGNORE) if "shift_labels" in local \
             else None
         if call is not None:
             current["call"], local = call, call.kwargs

@@ -11,7 +11,8 @@ hidden states with a forward hook on the decoder (removed after the call), and a
 ``tiled_lm_loss`` of those hidden states against the batch's targets (``shift_labels``,
 shifted on the global sequence by ``shard_batch``) to the model's loss. The model's loss
 is then its router loss alone (plus ``convert``'s adjustments), so the sum is exactly the
-untiled loss; ``out.logits`` is None.
+untiled loss; ``out.logits`` is a ``LogitsNotComputed``, any use of which raises
+an error saying how to get the logits.
 
 What the family does to the head's output before its loss is a table row (``TRANSFORMS``:
 soft caps, scales, a scaled input), applied with the family's own operations in the head's
@@ -20,7 +21,8 @@ bit, the head's output there after the row's transform; the first call of a mode
 the outcome with every rank of the group, so a family whose head does something else is
 refused on every rank, naming it. A family whose head cannot be tiled this way (``UNTILED``,
 a forward that is not transformers' own (a subclass's, ModelOpt's Eagle model: its loss
-may be another), a forward without ``logits_to_keep``, a head that is not a ``torch.nn.Linear``, a loss
+may be another), a forward without ``logits_to_keep``, a head that is not exactly a
+``torch.nn.Linear`` (``structure.plain_layer_problem``: a subclass, an adapter, a hook), a loss
 other than transformers' causal-LM loss) runs untiled: ``tile_problem`` says why.
 """
 
@@ -32,8 +34,9 @@ import torch
 
 from ...comm import agree, resolve_group
 from ...loss import head_loss
+from ...structure import plain_layer_problem
 
-__all__ = ["TRANSFORMS", "UNTILED", "tile_problem", "tiled_call"]
+__all__ = ["TRANSFORMS", "UNTILED", "LogitsNotComputed", "tile_problem", "tiled_call"]
 
 _SOFTCAP = (("div", None), ("tanh", None), ("mul", None))
 TRANSFORMS: dict = {
@@ -66,6 +69,42 @@ UNTILED: dict = {
                           "output embeddings",
 }
 """model_type -> why its loss is not tiled (computed untiled, as the model computes it)."""
+
+class LogitsNotComputed:
+    """What ``out.logits`` holds after a tiled loss: the logits were never computed (one
+    tile at a time, none kept). Any use of it (indexing, ``argmax``, a torch function,
+    ``len``, truth value, arithmetic) raises a ValueError that says how to get them;
+    ``isinstance(out.logits, LogitsNotComputed)`` tests for it. Every rank holds one, so
+    every rank raises."""
+
+    __slots__ = ()
+    MESSAGE = ("out.logits was not computed: the loss was computed in tiles from the "
+               "decoder's hidden states (loss_tile, on by default), one tile of logits at a "
+               "time, none kept. For the logits, pass loss_tile=None (this rank's shard, the "
+               "model's own untiled loss) or gather_logits=True (the whole sequence's, "
+               "O(S V) memory per rank) to context_parallel or RingTrainer")
+
+    def _refuse(self, *args, **kwargs):
+        raise ValueError(self.MESSAGE)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):  # copy, pickle and the like look dunders up: absent
+            raise AttributeError(name)
+        raise ValueError(self.MESSAGE)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise ValueError(cls.MESSAGE)
+
+    def __repr__(self):
+        return "LogitsNotComputed(" + self.MESSAGE.split(":", 1)[0] + ")"
+
+    __getitem__ = __setitem__ = __len__ = __iter__ = __bool__ = __float__ = __int__ = _refuse
+    __index__ = __array__ = __contains__ = __call__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = _refuse
+    __rtruediv__ = __matmul__ = __rmatmul__ = __neg__ = __pow__ = _refuse
+    __lt__ = __le__ = __gt__ = __ge__ = _refuse
+
 
 _RECORD = "_ringattn_head_checked"
 """The model's ``__dict__`` key of the transform its ranks agreed on (first call)."""
@@ -123,8 +162,10 @@ def tile_problem(model) -> str | None:
                 f"({getattr(forward, '__module__', None)}): its loss may be another one")
     if "logits_to_keep" not in inspect.signature(forward).parameters:
         return f"{type(model).__name__}'s forward takes no logits_to_keep"
-    if not isinstance(model.get_output_embeddings(), torch.nn.Linear):
-        return f"{type(model).__name__}'s output head is not a torch.nn.Linear"
+    head = model.get_output_embeddings()
+    problem = "it has none" if head is None else plain_layer_problem(head)
+    if problem is not None:
+        return f"{type(model).__name__}'s output head is not read as a plain linear: {problem}"
     if _decoder(model) is None:
         return f"{type(model).__name__} has no decoder module ringattn can find"
     from transformers.loss.loss_utils import ForCausalLMLoss
@@ -191,7 +232,7 @@ class _Call:
             error = ValueError(
                 f"{type(model).__name__}: its decoder's output ({None if hidden is None else tuple(hidden.shape)}) "
                 f"is not the [B, L, H] hidden states of the batch {(B, L)}; pass loss_tile=None")
-        elif L and output.logits is not None:
+        elif L and isinstance(output.logits, torch.Tensor):
             kept = hidden[:, self.probe]
             with torch.no_grad():
                 mine = torch.nn.functional.linear(kept if on_input is None else on_input(kept),
@@ -219,12 +260,15 @@ class _Call:
         tiled = head_loss(hidden, weight, bias, self.targets, ignore_index=self.ignore_index,
                           num_items_in_batch=self.count, tile=self.tile, logits_fn=on_logits)
         output["loss"] = tiled if output.loss is None else output.loss + tiled
-        output["logits"] = None
+        output["logits"] = _NOT_COMPUTED
         return output
 
     def abandon(self):
         for handle in self.handles:
             handle.remove()
+
+
+_NOT_COMPUTED = LogitsNotComputed()
 
 
 def tiled_call(model, local: dict, tile: int | None, ignore_index: int = -100):

@@ -31,11 +31,12 @@ import torch
 
 from ....masks import evaluate
 from ....sharding import positions
+from ....structure import plain_weights
 from ..checks import (_ATTENTION_LAYER_TYPES, _LAYER_TYPE_FIELDS, BLOCK_SPARSE_LAYERS,
                       KWARGS_STOP, MIXER_FAMILIES,
                       MIXER_LAYERS, MIXERS_PER_LAYER, REFUSED, mixers_converted)
 from ..state import (MISSING, ConvertedMixer, bind_context, bound_call,
-                     hook_restore_padding, missing_error, owner, record)
+                     hook_restore_padding, missing_error, owner, record, swap_class)
 
 __all__ = ["convert_mixers"]
 
@@ -45,6 +46,13 @@ __all__ = ["convert_mixers"]
 def _ring_args(ctx) -> dict:
     """group, layout, seqlen, cu_seqlens of the mixers from a RingContext."""
     return dict(group=ctx.group, layout=ctx.layout, seqlen=ctx.seqlen, cu_seqlens=ctx.cu_seqlens)
+
+
+def _conv(conv) -> tuple:
+    """(weight, bias) of a layer's short convolution, which the converted forward reads
+    instead of calling it: exactly a ``torch.nn.Conv1d`` (``structure.plain_weights``; an
+    adapter or a hook on it is refused by name, never bypassed)."""
+    return plain_weights(conv, torch.nn.Conv1d, f"the short convolution {type(conv).__name__}")
 
 
 def _keep(ctx, batch: int, device, dtype) -> torch.Tensor | None:
@@ -90,7 +98,10 @@ class _RingMixer(ConvertedMixer):
     ``mamba2_chunk_scan``, which transformers maps to flash-linear-attention's or
     mamba-ssm's kernels where they are installed), else by ringattn.mixers' loop."""
 
-    _family = None
+    @property
+    def _family(self):
+        """transformers' module of the layer's own class (its chunked functions)."""
+        return sys.modules[self._swapped_from[1].__module__]
 
     def forward(self, hidden_states, *args, **kwargs):
         names = ("cache", "attention_mask")
@@ -100,18 +111,6 @@ class _RingMixer(ConvertedMixer):
         if ctx is None:
             return super().forward(hidden_states, **kwargs)
         return self._ring_forward(hidden_states, ctx, **kwargs)
-
-
-_SUBCLASSES: dict[type, type] = {}
-
-
-def _converted_class(cls: type) -> type:
-    """The subclass of transformers' ``cls`` whose forward runs ringattn.mixers."""
-    if cls not in _SUBCLASSES:
-        _SUBCLASSES[cls] = type(f"Ring{cls.__name__}", (MIXER_LAYERS[cls.__name__], cls),
-                                {"__module__": __name__, "__qualname__": f"Ring{cls.__name__}",
-                                 "_family": sys.modules[cls.__module__]})
-    return _SUBCLASSES[cls]
 
 
 _NOT_MIXERS = frozenset({"mlp", "moe"})
@@ -162,7 +161,7 @@ def convert_mixers(model):
     for module in model.modules():
         cls = type(module)
         if cls.__name__ in MIXER_LAYERS and cls.__module__.startswith("transformers."):
-            module.__class__ = _converted_class(cls)
+            module.__class__ = swap_class(MIXER_LAYERS[cls.__name__], cls)
             done += 1
         elif isinstance(module, _RingMixer):
             done += 1

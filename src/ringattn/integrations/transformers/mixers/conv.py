@@ -11,7 +11,7 @@ import torch
 
 from ....mixers import causal_conv1d
 from ..checks import register_mixers
-from .base import _RingMixer, _context, _keep, _masked, _ring_args
+from .base import _RingMixer, _context, _keep, _conv, _masked, _ring_args
 
 
 class _ShortConv(_RingMixer):
@@ -20,7 +20,7 @@ class _ShortConv(_RingMixer):
     def _ring_forward(self, hidden, ctx, **_):
         hidden = _masked(hidden, _keep(ctx, hidden.shape[0], hidden.device, hidden.dtype))
         bm, cm, x = self.in_proj(hidden).chunk(3, dim=-1)
-        y = causal_conv1d(bm * x, self.conv.weight, self.conv.bias, **_ring_args(ctx))
+        y = causal_conv1d(bm * x, *_conv(self.conv), **_ring_args(ctx))
         return self.out_proj((cm * y).contiguous())
 
 

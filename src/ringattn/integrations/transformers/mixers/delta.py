@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ....mixers import causal_conv1d, gated_delta_rule
 from ..checks import register_mixers
-from .base import _RingMixer, _keep, _masked, _ring_args
+from .base import _RingMixer, _keep, _conv, _masked, _ring_args
 
 
 class _GatedDeltaNet(_RingMixer):
@@ -33,7 +33,7 @@ class _GatedDeltaNet(_RingMixer):
         batch, length, _ = hidden.shape
         hidden = _masked(hidden, _keep(ctx, batch, hidden.device, hidden.dtype))
         mixed, z, b, a = self._project(hidden)
-        mixed = causal_conv1d(mixed, self.conv1d.weight, self.conv1d.bias,
+        mixed = causal_conv1d(mixed, *_conv(self.conv1d),
                               activation=self.activation, **ring)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(batch, length, -1, self.head_k_dim)
@@ -51,7 +51,7 @@ class _GatedDeltaNet(_RingMixer):
 
 def _conv_qkv(layer, mixed, ring):
     """The layer's depthwise causal convolution of [q | k | v] across the ranks."""
-    return causal_conv1d(mixed, layer.conv1d.weight, layer.conv1d.bias,
+    return causal_conv1d(mixed, *_conv(layer.conv1d),
                          activation=layer.activation, **ring)
 
 
@@ -123,7 +123,7 @@ class _KimiDelta(_RingMixer):
         batch, length, _ = hidden.shape
         hidden = _masked(hidden, _keep(ctx, batch, hidden.device, hidden.dtype))
         mixed = torch.cat([self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)], dim=-1)
-        mixed = causal_conv1d(mixed, self.conv1d.weight, self.conv1d.bias,
+        mixed = causal_conv1d(mixed, *_conv(self.conv1d),
                               activation=self.activation, **ring)
         q, k, v = (t.reshape(batch, length, -1, self.head_dim)
                    for t in mixed.split([self.qkv_dim] * 3, dim=-1))

@@ -17,7 +17,7 @@ import torch
 
 from ....mixers import causal_conv1d
 from ..checks import register_mixers
-from .base import _context, _keep, _masked, _RingMixer, _ring_args
+from .base import _context, _keep, _conv, _masked, _RingMixer, _ring_args
 from .conv import _shifted
 
 
@@ -32,7 +32,7 @@ class _InklingConv(_RingMixer):
         dtype = hidden_states.dtype
         x = hidden_states.float()
         keep = _keep(ctx, x.shape[0], x.device, x.dtype)
-        y = causal_conv1d(_masked(x, keep), self.conv1d.weight, self.conv1d.bias, **_ring_args(ctx))
+        y = causal_conv1d(_masked(x, keep), *_conv(self.conv1d), **_ring_args(ctx))
         y = y + x
         if type(self).__name__.startswith("RingInkling2"):
             y = y / math.sqrt(self.conv_kernel_size + 1)

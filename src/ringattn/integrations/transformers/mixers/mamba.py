@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from ....mixers import causal_conv1d, diagonal_recurrence, mamba2_ssd
+from ....structure import plain_weights
 from ..checks import register_mixers
-from .base import _RingMixer, _keep, _masked, _ring_args
+from .base import _RingMixer, _keep, _conv, _masked, _ring_args
 
 
 class _Mamba2(_RingMixer):
@@ -41,7 +42,7 @@ class _Mamba2(_RingMixer):
             projected = projected * self.mup_vector
         gate, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads],
                                         dim=-1)
-        xbc = causal_conv1d(xbc, self.conv1d.weight, self.conv1d.bias,
+        xbc = causal_conv1d(xbc, *_conv(self.conv1d),
                             activation=self.activation, **ring)
         xbc = _masked(xbc, keep)
         groups_n = self.n_groups * self.ssm_state_size
@@ -70,15 +71,17 @@ class _Mamba(_RingMixer):
         dtype = hidden.dtype
         keep = _keep(ctx, hidden.shape[0], hidden.device, dtype)
         x, gate = self.in_proj(_masked(hidden, keep)).chunk(2, dim=-1)
-        x = _masked(causal_conv1d(x, self.conv1d.weight, self.conv1d.bias,
+        x = _masked(causal_conv1d(x, *_conv(self.conv1d),
                                   activation=self.activation, **ring), keep)
         step, bm, cm = torch.split(self.x_proj(x), [self.time_step_rank, self.ssm_state_size,
                                                     self.ssm_state_size], dim=-1)
         if hasattr(self, "dt_layernorm"):  # Jamba, FalconMamba
             step, bm, cm = self.dt_layernorm(step), self.b_layernorm(bm), self.c_layernorm(cm)
-        dt = step @ self.dt_proj.weight.t()
-        if self.dt_proj.bias is not None:
-            dt = dt + self.dt_proj.bias.float()
+        dt_weight, dt_bias = plain_weights(self.dt_proj, torch.nn.Linear,
+                                           f"{type(self).__name__}.dt_proj")
+        dt = step @ dt_weight.t()
+        if dt_bias is not None:
+            dt = dt + dt_bias.float()
         dt = F.softplus(dt)  # [B, L, D]
         a = torch.exp(-torch.exp(self.A_log.float()) * dt[..., None])  # [B, L, D, N]
         u = dt[..., None] * bm[:, :, None, :].float() * x[..., None].float()
@@ -101,7 +104,7 @@ class _ZambaMamba(_RingMixer):
         # channel 2i + 1 is gate_i
         projected = self.in_proj(_masked(hidden, keep)).reshape(batch, length, -1, 2)
         x, gate = projected[..., 0].contiguous(), projected[..., 1]
-        x = _masked(causal_conv1d(x, self.conv1d.weight, self.conv1d.bias,
+        x = _masked(causal_conv1d(x, *_conv(self.conv1d),
                                   activation=self.activation, **ring), keep)
         x = x.reshape(batch, length, heads, dim)
         params = torch.einsum("blhd,hkd->blhk", x, self.x_proj_weight)

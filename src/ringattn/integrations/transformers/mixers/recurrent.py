@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from ....mixers import causal_conv1d, diagonal_recurrence, linear_recurrence, mlstm, wkv
 from ..checks import register_mixers
 from ..state import bound_call
-from .base import _RingMixer, _context, _keep, _masked, _ring_args
+from .base import _RingMixer, _context, _keep, _conv, _masked, _ring_args
 
 
 class _RecurrentBlock(_RingMixer):
@@ -68,7 +68,7 @@ class _RecurrentBlock(_RingMixer):
         ring = _ring_args(ctx)
         dtype = hidden.dtype
         y = self.act_fn(self.linear_y(hidden))
-        x = causal_conv1d(self.linear_x(hidden), self.conv_1d.weight, self.conv_1d.bias, **ring)
+        x = causal_conv1d(self.linear_x(hidden), *_conv(self.conv_1d), **ring)
         lru = self.rg_lru
         batch, length, width = x.shape
         heads, block = lru.num_attention_heads, lru.block_width
