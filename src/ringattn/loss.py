@@ -36,9 +36,9 @@ from .structure import plain_layer_problem
 
 __all__ = ["tiled_lm_loss"]
 
-DEFAULT_TILE = "64MiB"
+DEFAULT_TILE = "16MiB"
 """The default tile: a budget of one tile's logits in bytes (float32, or float64 for float64
-inputs), so the rows follow from the vocabulary: 110 rows at V = 151936, 524 at 32000,
+inputs), so the rows follow from the vocabulary: 27 rows at V = 151936, 131 at 32000,
 everything at once for a tiny vocabulary. A tile's transient buffers (its logits, their
 softmax and its gradient) are a few times the budget; a larger tile gains little speed."""
 
@@ -57,16 +57,16 @@ def check_tile(tile, name: str = "tile") -> int:
 
 def check_loss_tile(tile, name: str = "loss_tile"):
     """A loss tile: rows (an int >= 1) or a budget of one tile's logits in bytes (a string
-    such as ``"64MiB"``: an integer and one of B, KiB, MiB, GiB), returned as given (a
+    such as ``"16MiB"``: an integer and one of B, KiB, MiB, GiB), returned as given (a
     budget normalised to ``"<n>B"``); else a TypeError or ValueError naming ``name``."""
     if isinstance(tile, str):
         found = _BUDGET.match(tile)
         if found is None or int(found.group(1)) * _UNITS[found.group(2)] < 1:
             raise ValueError(f"{name} must be rows (an int >= 1) or a byte budget such as "
-                             f"'64MiB' (an integer >= 1 and one of {list(_UNITS)}), got {tile!r}")
+                             f"'16MiB' (an integer >= 1 and one of {list(_UNITS)}), got {tile!r}")
         return f"{int(found.group(1)) * _UNITS[found.group(2)]}B"
     if not isinstance(tile, int) or isinstance(tile, bool):
-        raise TypeError(f"{name} must be rows (an int >= 1) or a byte budget such as '64MiB', "
+        raise TypeError(f"{name} must be rows (an int >= 1) or a byte budget such as '16MiB', "
                         f"got {tile!r}")
     return check_tile(tile, name)
 
@@ -204,7 +204,7 @@ def tiled_lm_loss(hidden: torch.Tensor, lm_head, *, shift_labels: torch.Tensor |
             count under context parallelism, as ``shard_batch`` gives it); None: the count
             of this call's targets (a mean).
         tile: how many rows of logits are computed at once: an int >= 1, or a budget of
-            one tile's logits in bytes (a string such as ``"64MiB"``, the default: the rows
+            one tile's logits in bytes (a string such as ``"16MiB"``, the default: the rows
             follow from V and the logits' dtype, ``tile_rows``).
         label_smoothing: PyTorch's ``cross_entropy(label_smoothing=)``, in [0, 1).
         z_loss: the coefficient of ``logsumexp(logits)^2`` per target (PaLM's z-loss).

@@ -160,7 +160,7 @@ class RingTrainerMixin:
         loss_tile: the training loss is computed from the decoder's hidden states in tiles
             (``ringattn.tiled_lm_loss``: never more than one tile's logits alive; the same
             loss and gradients) of this many tokens (an int), or of as many tokens as a
-            budget of one tile's logits allows (a string: ``"64MiB"``, the default, is 110
+            budget of one tile's logits allows (a string: ``"16MiB"``, the default, is 27
             tokens at a 152k vocabulary); None: the model's own untiled loss. Families whose head the tiles cannot follow run untiled
             (``integrations.transformers.head.tile_problem``). Evaluation is untiled.
 

@@ -442,7 +442,7 @@ def context_parallel(model, group=None, *, layout: str = DEFAULT_LAYOUT, strateg
         loss_tile: with labels, compute the loss from the decoder's hidden states in tiles
             (``ringattn.tiled_lm_loss``: one tile's logits alive at a time, forward and
             backward; the same loss and gradients) of this many tokens (an int) or of as
-            many as a budget of one tile's logits allows (a string: ``"64MiB"``, the
+            many as a budget of one tile's logits allows (a string: ``"16MiB"``, the
             default); ``out.logits`` then raises on use (``head.LogitsNotComputed``); None:
             the model's own untiled loss and logits. Families whose head the
             tiles cannot follow run untiled (``head.tile_problem``); ``gather_logits``
