@@ -14,12 +14,20 @@ layers get the context from their model's forward (Jamba's Mamba layers, BLOOM's
 modules), with torch's reentrant and non-reentrant checkpointing. A converted mixer run
 under ``context_parallel`` without its context refuses.
 
-Every case runs on W=2 gloo ranks (one cluster call) and asserts on every rank.
+A converted model pickles (its swapped classes are made from names: ``state.swap_class``):
+``torch.save`` / ``torch.load``, ``copy.deepcopy`` and a process that has not imported
+ringattn give back the same classes, whose step equals the original's bit for bit, in one
+process and under CP.
+
+Every CP case runs on W=2 gloo ranks (one cluster call) and asserts on every rank.
 """
 
 from __future__ import annotations
 
 import copy
+import io
+import subprocess
+import sys
 from datetime import timedelta
 
 import pytest
@@ -139,19 +147,33 @@ def state_cases() -> dict:
     results[("mixtral", "config edited after convert")] = _outcome(edited)
     dist.destroy_process_group(group)
 
-    # a deep copy of a converted model is converted, and its layers bind its own forwards
+    # a deep copy of a converted model is converted, and its layers bind its own forwards;
+    # a saved and loaded one (torch.save / torch.load) steps as the deep copy, bit for bit
     for name in ("jamba", "bloom"):
         original = ra_hf.convert(build(name, "ringattn"))
         twin = copy.deepcopy(original)
         results[(name, "deepcopy converted")] = ra_hf.converted(twin)
         ref_model, ref = _reference(name, plain)
         group = _new_group()
+        steps = {}
 
         def copied():
             out, cu = _run_cp(twin, plain, group)
+            steps["deepcopy"] = (out.loss.detach(), out.logits.detach(), _flat_grads(twin))
             return _errors(ref_model, ref, twin, out, group, plain, cu)
 
         results[(name, "deepcopy exact")] = _outcome(copied)
+
+        def reloaded():
+            saved = io.BytesIO()
+            torch.save(original, saved)
+            saved.seek(0)
+            loaded = torch.load(saved, weights_only=False)
+            out, _ = _run_cp(loaded, plain, group)
+            got = (out.loss.detach(), out.logits.detach(), _flat_grads(loaded))
+            return all(torch.equal(a, b) for a, b in zip(got, steps["deepcopy"]))
+
+        results[(name, "torch.load steps as the deepcopy")] = _outcome(reloaded)
         dist.destroy_process_group(group)
 
     # the state functions take the model, not its config
@@ -166,6 +188,89 @@ def state_cases() -> dict:
                                                                            group=group))
     dist.destroy_process_group(group)
     return results
+
+
+def _step(model, ids) -> tuple:
+    """(logits, loss, every gradient) of one training step of ``model`` in one process."""
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    grads = _flat_grads(model)
+    model.zero_grad(set_to_none=True)
+    return out.logits.detach(), out.loss.detach(), grads
+
+
+def _swapped(model) -> list:
+    """The name and module of each class a conversion swapped in, in module order."""
+    return [(type(m).__qualname__, type(m).__module__) for m in model.modules()
+            if type(m).__module__.startswith("ringattn.")]
+
+
+_FRESH = """
+import sys, torch
+torch.set_num_threads(1)
+assert not [m for m in sys.modules if m.startswith("ringattn")], "ringattn imported"
+saved = torch.load(sys.argv[1], weights_only=False)
+for name, model in saved["models"].items():
+    with torch.no_grad():
+        logits = model(input_ids=saved["ids"], use_cache=False).logits
+    assert torch.equal(logits, saved["logits"][name]), name
+    swapped = [(type(m).__qualname__, type(m).__module__) for m in model.modules()
+               if type(m).__module__.startswith("ringattn.")]
+    assert swapped == saved["swapped"][name], (name, swapped)
+from ringattn.integrations import transformers as ra_hf
+assert all(ra_hf.converted(m) for m in saved["models"].values())
+assert ra_hf.tiled_mlps(saved["models"]["jamba"]) == 4
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_converted_model_pickles(tmp_path):
+    """One process: converted hybrids (Jamba: its Mamba layers ``Ring...``, their decoder
+    layers ``Bound...``, an MLP ``Tiled...``; Bamba; Qwen3-Next) through torch.save /
+    torch.load, copy.deepcopy, and torch.load in a fresh process that has not imported
+    ringattn: the same classes and state, and a training step equal to the original's bit
+    for bit (without a ring context a converted mixer runs transformers' forward; the
+    loaded model's ring forward is checked under CP in state_cases)."""
+    from ringattn.integrations import transformers as ra_hf
+
+    models = {name: ra_hf.convert(build(name, "eager"))  # attention runs in one process
+              for name in ("jamba", "bamba", "qwen3_next")}
+    ra_hf.tile_mlp(models["jamba"], tile=4)
+    kinds = {name.split("Jamba")[0] for name, _ in _swapped(models["jamba"])}
+    assert kinds == {"Ring", "Bound", "Tiled"}, _swapped(models["jamba"])
+    ids = torch.randint(3, 90, (2, 13), generator=torch.Generator().manual_seed(1))
+    saved = io.BytesIO()
+    torch.save(models, saved)
+    saved.seek(0)
+    copies = {"torch.load": torch.load(saved, weights_only=False),
+              "deepcopy": copy.deepcopy(models)}
+    for name, model in models.items():
+        want = _step(model, ids)
+        for how, again in copies.items():
+            other = again[name]
+            assert [type(m) for m in other.modules()] == [type(m) for m in model.modules()], \
+                (name, how)
+            assert ra_hf.converted(other) and ra_hf.mixers_converted(other), (name, how)
+            state = other.state_dict()
+            assert all(torch.equal(t, state[k]) for k, t in model.state_dict().items())
+            got = _step(other, ids)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (name, how)
+    assert ra_hf.tiled_mlps(copies["torch.load"]["jamba"]) == 4
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the fresh process computes with one thread: the same sums
+    try:
+        with torch.no_grad():
+            logits = {name: m(input_ids=ids, use_cache=False).logits
+                      for name, m in models.items()}
+    finally:
+        torch.set_num_threads(threads)
+    path = tmp_path / "models.pt"
+    torch.save({"models": models, "ids": ids, "logits": logits,
+                "swapped": {name: _swapped(m) for name, m in models.items()}}, path)
+    run = subprocess.run([sys.executable, "-c", _FRESH, str(path)], capture_output=True,
+                         text=True, timeout=100, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 def checkpoint_cases() -> dict:
@@ -262,6 +367,7 @@ def test_conversion_state_is_the_models(clusters):
         for name in ("jamba", "bloom"):
             assert res[(name, "deepcopy converted")] is True, (name, rank)
             _exact(res[(name, "deepcopy exact")], (name, "deepcopy"), rank)
+            assert res[(name, "torch.load steps as the deepcopy")] is True, (name, rank)
         said = res["config refused"]
         assert said.startswith("TypeError") and "model instance" in said, (rank, said)
         said = res["one rank unconverted"]

@@ -1,12 +1,14 @@
 """``ra_hf.tile_mlp``: each decoder layer's per-token MLP in sequence tiles, recomputed in
 the backward; the model's output and every gradient equal the untiled model's (float64,
 1e-12), in training and in evaluation, with tiles of 1, 4 and more than the sequence, with
-the model's own gradient checkpointing, after a deep copy; a mixture of experts is left as
+the model's own gradient checkpointing, after a deep copy and after torch.save / torch.load
+(the ``Tiled...`` class pickles by name: equal bit for bit); a mixture of experts is left as
 it is and named; bad arguments are refused by name."""
 
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -57,6 +59,16 @@ def test_tiled_mlp_equals_the_untiled_model(name, tile, checkpointing):
     again = copy.deepcopy(model)  # the conversion travels with the instance
     assert type(again.model.layers[0].mlp).__name__.startswith("Tiled")
     assert _close(_run(again, ids)[1], want[1])
+    if checkpointing:  # transformers' checkpointing hooks a local function: no pickle
+        return
+    saved = io.BytesIO()  # a saved model (torch.save pickles the Tiled... class by name)
+    torch.save(model, saved)
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    assert [type(m) for m in loaded.modules()] == [type(m) for m in model.modules()]
+    assert ra_hf.tiled_mlps(loaded) == tile
+    mine, theirs = _run(model, ids), _run(loaded, ids)
+    assert all(torch.equal(a, b) for a, b in zip((*mine[:2], *mine[2]), (*theirs[:2], *theirs[2])))
 
 
 def test_experts_only_is_left_and_named():

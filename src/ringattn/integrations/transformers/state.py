@@ -22,17 +22,24 @@ hooks and ``state_dict`` keys) and hands it to its modules for the duration of t
 A module that runs under ``context_parallel`` without a context (a hook of the manager ran
 after the model's own, or a layer ran outside its model's forward) gets ``MISSING`` and
 refuses to run, instead of mixing its shard alone.
+
+Every class a conversion swaps in at run time (``Ring...`` mixers, ``Bound...`` layers,
+``Tiled...`` MLPs) is made by ``swap_class`` from a mixin of ringattn's and the module's own
+class, and pickles by those two names (``SwapMixin``): ``torch.save(model)`` and
+``torch.load``, ``copy.deepcopy`` and a process that has not made the class yet all get a
+model of the same classes back.
 """
 
 from __future__ import annotations
 
+import copyreg
 import threading
 
 import torch
 
-__all__ = ["MISSING", "ROUTER_MARK", "Call", "ConvertedMixer", "bind_context", "bound_call",
-           "bound_context", "conversion", "current_call", "missing_error", "owner", "record",
-           "require_context", "running_model"]
+__all__ = ["MISSING", "ROUTER_MARK", "Call", "ConvertedMixer", "SwapMixin", "bind_context",
+           "bound_call", "bound_context", "conversion", "current_call", "missing_error", "owner",
+           "record", "require_context", "running_model", "swap_class"]
 
 RECORD = "_ringattn_conversion"
 """Key, in a converted model's ``__dict__``, of what ``convert`` did to it (a dict)."""
@@ -45,7 +52,65 @@ ROUTER_MARK = "_ringattn_router"
 """Attribute set on ``convert``'s global router loss hook: how checks find it on a model."""
 
 
-class ConvertedMixer:
+class SwapMixin:
+    """Base of the mixins ``swap_class`` joins to a module's own class. The joined class is
+    made at run time, so it is no attribute of a module and pickle cannot find it by its
+    name; its instances pickle as the names it is made from instead (this mixin's class and
+    the module's own class, both module attributes) and their state, and unpickling makes
+    the class again with ``swap_class``: the same class in this process, the same
+    definition in another one."""
+
+    _swap_prefix = "Ring"
+    """The joined class's name is this + the module's class name (``Ring``, ``Bound``,
+    ``Tiled``)."""
+
+    def __reduce_ex__(self, protocol):
+        reduced = super().__reduce_ex__(protocol)
+        made = type(self).__dict__.get("_swapped_from")
+        if made is None:  # a subclass of a joined class, defined with a name: pickled by it
+            return reduced
+        # object's reduction for protocol >= 2 (copyreg.__newobj__, (cls,), state, ...) or
+        # below (copyreg._reconstructor, (cls, object, None), state): the class by name
+        # becomes the class by its parts, the state and the rest are kept
+        if reduced[0] not in (copyreg.__newobj__, copyreg._reconstructor) \
+                or reduced[1][0] is not type(self) or reduced[1][1:] not in ((), (object, None)):
+            raise TypeError(f"{type(self).__name__} cannot be pickled: its class reduces "
+                            f"to {reduced[0].__name__}{reduced[1]!r}")
+        return (swapped_instance, made, *reduced[2:])
+
+
+_SWAPPED: dict[tuple[type, type], type] = {}
+
+
+def swap_class(mixin: type, base: type) -> type:
+    """The class a converted module's ``__class__`` becomes: ``mixin``'s methods over
+    ``base``'s (``class <prefix><base>(mixin, base)``), made once per process for the pair,
+    that pickles by the names of ``mixin`` and ``base`` (``SwapMixin``).
+
+    Arguments:
+        mixin: a subclass of ``SwapMixin`` defined at a module's top level.
+        base: the module's own class (transformers', or any importable class).
+
+    Raises:
+        TypeError: ``mixin`` is not a ``SwapMixin``.
+    """
+    key = (mixin, base)
+    if key not in _SWAPPED:
+        if not (isinstance(mixin, type) and issubclass(mixin, SwapMixin)):
+            raise TypeError(f"swap_class takes a SwapMixin subclass, got {mixin!r}")
+        name = f"{mixin._swap_prefix}{base.__name__}"
+        _SWAPPED[key] = type(name, (mixin, base), {"__module__": mixin.__module__,
+                                                   "__qualname__": name, "_swapped_from": key})
+    return _SWAPPED[key]
+
+
+def swapped_instance(mixin: type, base: type):
+    """An instance of ``swap_class(mixin, base)`` without state, for pickle to fill."""
+    cls = swap_class(mixin, base)
+    return cls.__new__(cls)
+
+
+class ConvertedMixer(SwapMixin):
     """Base of every sequence-mixer class ``convert`` swaps in (``mixers/``): how checks tell
     a converted layer from transformers' own."""
 _CP_ACTIVE = "_ringattn_context_parallel"  # set by context_parallel on the models it hooks
@@ -167,10 +232,12 @@ def bound_context(module):
     return None if call is None else call.context
 
 
-class _Bound:
+class _Bound(SwapMixin):
     """Mixin of the ``Bound...`` layer classes: the call's context, captured with the
     call's keyword arguments (and so by gradient checkpointing), handed to the layer's
     modules that need it while the layer runs."""
+
+    _swap_prefix = "Bound"
 
     def forward(self, *args, _ring_bound=None, **kwargs):
         targets = self.__dict__[_TARGETS]
@@ -182,16 +249,6 @@ class _Bound:
         finally:
             for t, before in zip(targets, saved):
                 t.__dict__[_CONTEXT] = before
-
-
-_CLASSES: dict[type, type] = {}
-
-
-def _bound_class(cls: type) -> type:
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Bound{cls.__name__}", (_Bound, cls),
-                             {"__module__": __name__, "__qualname__": f"Bound{cls.__name__}"})
-    return _CLASSES[cls]
 
 
 def _layer_pre_hook(layer, args, kwargs):
@@ -235,7 +292,7 @@ def bind_context(model, targets) -> None:
             known = unit.__dict__[_TARGETS]
             unit.__dict__[_TARGETS] = known + tuple(t for t in found if t not in known)
             continue
-        unit.__class__ = _bound_class(type(unit))
+        unit.__class__ = swap_class(_Bound, type(unit))
         unit.__dict__[_TARGETS] = tuple(found)
         unit.register_forward_pre_hook(_layer_pre_hook, with_kwargs=True)
 

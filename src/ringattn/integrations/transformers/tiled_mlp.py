@@ -24,6 +24,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ...loss import check_tile
+from .state import SwapMixin, swap_class
 
 __all__ = ["tile_mlp", "tiled_mlps"]
 
@@ -31,9 +32,10 @@ _NAMES = ("mlp", "feed_forward")
 _RECORD = "_ringattn_tiled_mlp"
 
 
-class TiledMLP:
-    """The mixin of a tiled MLP's class (``Tiled`` + the MLP's class)."""
+class TiledMLP(SwapMixin):
+    """The mixin of a tiled MLP's class (``Tiled`` + the MLP's class: ``swap_class``)."""
 
+    _swap_prefix = "Tiled"
     _ringattn_tile: int
 
     def forward(self, hidden_states):
@@ -46,15 +48,6 @@ class TiledMLP:
         if not torch.is_grad_enabled():
             return torch.cat([run(p) for p in parts], dim=-2)
         return torch.cat([checkpoint(run, p, use_reentrant=False) for p in parts], dim=-2)
-
-
-_CLASSES: dict = {}
-
-
-def _tiled_class(cls):
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Tiled{cls.__name__}", (TiledMLP, cls), {})
-    return _CLASSES[cls]
 
 
 def _routes(module) -> bool:
@@ -110,7 +103,7 @@ def tile_mlp(model, tile: int = 1024) -> dict:
             left[name] = problem
             continue
         if not isinstance(module, TiledMLP):
-            module.__class__ = _tiled_class(type(module))
+            module.__class__ = swap_class(TiledMLP, type(module))
         module._ringattn_tile = tile
         tiled.append(name)
     if not tiled and not left:

@@ -16,7 +16,7 @@ from ....strategies.auto import attention
 from ....validate import caller_error
 from ..attention import ModelMask, _ring_arguments
 from ..checks import register_attention
-from ..state import bind_context, require_context
+from ..state import SwapMixin, bind_context, require_context, swap_class
 
 __all__ = ["convert_alibi"]
 
@@ -63,50 +63,46 @@ def _mpt_slopes(num_heads: int) -> list[float]:
     return [float(x) for x in bias[:, 0, 1] - bias[:, 0, 0]]
 
 
-def _ring_bloom_attention(base):
-    class RingBloomAttention(base):
-        """BLOOM's attention over the ring: its own fused projection, ALiBi slopes and
-        output projection, ring attention in between."""
+class _BloomAttention(SwapMixin):
+    """BLOOM's attention over the ring: its own fused projection, ALiBi slopes and
+    output projection, ring attention in between."""
 
-        def forward(self, hidden_states, residual, alibi, attention_mask, layer_past=None,
-                    use_cache=False, output_attentions=False, **kwargs):
-            from transformers.models.bloom.modeling_bloom import dropout_add
+    def forward(self, hidden_states, residual, alibi, attention_mask, layer_past=None,
+                use_cache=False, output_attentions=False, **kwargs):
+        from transformers.models.bloom.modeling_bloom import dropout_add
 
-            if output_attentions:
-                raise TypeError("ring attention returns no attention weights")
-            b, length, _ = hidden_states.shape
-            q, k, v = self._reshape(self.query_key_value(hidden_states))  # [B, H, L, D]
-            if layer_past is not None:
-                k, v = layer_past.update(k, v, self.layer_idx)
-            out = _alibi_attention(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                   attention_mask, self.inv_norm_factor, self._ring_slopes,
-                                   self.attention_dropout.p)
-            out = self.dense(out.reshape(b, length, -1))
-            return dropout_add(out, residual, self.hidden_dropout, self.training), None
-
-    return RingBloomAttention
+        if output_attentions:
+            raise TypeError("ring attention returns no attention weights")
+        b, length, _ = hidden_states.shape
+        q, k, v = self._reshape(self.query_key_value(hidden_states))  # [B, H, L, D]
+        if layer_past is not None:
+            k, v = layer_past.update(k, v, self.layer_idx)
+        out = _alibi_attention(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                               attention_mask, self.inv_norm_factor, self._ring_slopes,
+                               self.attention_dropout.p)
+        out = self.dense(out.reshape(b, length, -1))
+        return dropout_add(out, residual, self.hidden_dropout, self.training), None
 
 
-def _ring_mpt_attention(base):
-    class RingMptAttention(base):
-        """MPT's attention over the ring: its own projections, ``clip_qkv``, scale and
-        ALiBi slopes, ring attention in between."""
 
-        def forward(self, hidden_states, position_bias=None, cache=None, attention_mask=None,
-                    **kwargs):
-            b, length = hidden_states.shape[:2]
-            qkv = self.Wqkv(hidden_states)
-            if self.clip_qkv:
-                qkv = qkv.clamp(min=-self.clip_qkv, max=self.clip_qkv)
-            q, k, v = (t.reshape(b, length, self.n_heads, self.head_dim) for t in qkv.chunk(3, 2))
-            if cache is not None:
-                k, v = (t.transpose(1, 2) for t in cache.update(
-                    k.transpose(1, 2), v.transpose(1, 2), self.layer_idx))
-            out = _alibi_attention(self, q, k, v, attention_mask, self.softmax_scale,
-                                   self._ring_slopes, self.attn_dropout_p)
-            return self.out_proj(out.reshape(b, length, -1)), None
+class _MptAttention(SwapMixin):
+    """MPT's attention over the ring: its own projections, ``clip_qkv``, scale and
+    ALiBi slopes, ring attention in between."""
 
-    return RingMptAttention
+    def forward(self, hidden_states, position_bias=None, cache=None, attention_mask=None,
+                **kwargs):
+        b, length = hidden_states.shape[:2]
+        qkv = self.Wqkv(hidden_states)
+        if self.clip_qkv:
+            qkv = qkv.clamp(min=-self.clip_qkv, max=self.clip_qkv)
+        q, k, v = (t.reshape(b, length, self.n_heads, self.head_dim) for t in qkv.chunk(3, 2))
+        if cache is not None:
+            k, v = (t.transpose(1, 2) for t in cache.update(
+                k.transpose(1, 2), v.transpose(1, 2), self.layer_idx))
+        out = _alibi_attention(self, q, k, v, attention_mask, self.softmax_scale,
+                               self._ring_slopes, self.attn_dropout_p)
+        return self.out_proj(out.reshape(b, length, -1)), None
+
 
 
 def convert_alibi(model) -> None:
@@ -115,12 +111,12 @@ def convert_alibi(model) -> None:
     if family == "bloom":
         from transformers.models.bloom.modeling_bloom import BloomAttention as base
 
-        make, slopes = _ring_bloom_attention, _bloom_slopes(model.config.n_head)
+        mixin, slopes = _BloomAttention, _bloom_slopes(model.config.n_head)
     else:
         from transformers.models.mpt.modeling_mpt import MptAttention as base
 
-        make, slopes = _ring_mpt_attention, _mpt_slopes(model.config.n_heads)
-    cls = make(base)
+        mixin, slopes = _MptAttention, _mpt_slopes(model.config.n_heads)
+    cls = swap_class(mixin, base)
     found = []
     for module in model.modules():
         if type(module) is base:

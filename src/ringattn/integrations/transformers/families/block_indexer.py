@@ -51,7 +51,8 @@ from ....strategies.auto import attention
 from ....validate import caller_error
 from ..attention import _check_call
 from ..checks import register_attention
-from ..state import current_call, hook_restore_padding, missing_error, owner
+from ..state import (SwapMixin, current_call, hook_restore_padding, missing_error, owner,
+                     swap_class)
 
 __all__ = ["BlockSelection", "convert_block_indexer"]
 
@@ -390,76 +391,69 @@ def _minimax_selection(module, hidden, position_embeddings, position_ids, attent
                               device)
 
 
-def _ring_qwen4_attention(base):
-    class RingQwen4ExpTextAttention(base):
-        """Qwen4-Exp's indexed attention over the ring: its own projections, gate and
-        norms; the QSA indexer's block selection over the whole sequence as a ring mask."""
+class _Qwen4ExpTextAttention(SwapMixin):
+    """Qwen4-Exp's indexed attention over the ring: its own projections, gate and
+    norms; the QSA indexer's block selection over the whole sequence as a ring mask."""
 
-        def forward(self, hidden_states, position_embeddings, attention_mask, cache=None,
-                    **kwargs):
-            from transformers.models.qwen4_exp.modeling_qwen4_exp import apply_rotary_pos_emb
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None,
+                **kwargs):
+        from transformers.models.qwen4_exp.modeling_qwen4_exp import apply_rotary_pos_emb
 
-            ctx = kwargs.pop("ring_context", None)
-            if ctx is None:
-                if getattr(owner(self), "_ringattn_context_parallel", False):
-                    raise missing_error(self)
-                return super().forward(hidden_states, position_embeddings, attention_mask,
-                                       cache=cache, **kwargs)
-            selection, error = _qwen4_selection(self, hidden_states, position_embeddings,
-                                                attention_mask, cache, ctx, kwargs)
-            length = hidden_states.shape[1]
-            cos, sin = (x[:, -length:, :] for x in position_embeddings)
-            input_shape = hidden_states.shape[:-1]
-            hidden_shape = (*input_shape, -1, self.head_dim)
-            q, gate = torch.chunk(self.q_proj(hidden_states).view(*input_shape, -1,
-                                                                  self.head_dim * 2), 2, dim=-1)
-            gate = gate.reshape(*input_shape, -1)
-            q = self.q_norm(q.reshape(hidden_shape)).transpose(1, 2)
-            k = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
-            v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            out = _attend(self, q, k, v, selection, error, ctx)
-            out = out.reshape(*input_shape, -1).contiguous() * torch.sigmoid(gate)
-            return self.o_proj(out), None
-
-    return RingQwen4ExpTextAttention
+        ctx = kwargs.pop("ring_context", None)
+        if ctx is None:
+            if getattr(owner(self), "_ringattn_context_parallel", False):
+                raise missing_error(self)
+            return super().forward(hidden_states, position_embeddings, attention_mask,
+                                   cache=cache, **kwargs)
+        selection, error = _qwen4_selection(self, hidden_states, position_embeddings,
+                                            attention_mask, cache, ctx, kwargs)
+        length = hidden_states.shape[1]
+        cos, sin = (x[:, -length:, :] for x in position_embeddings)
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q, gate = torch.chunk(self.q_proj(hidden_states).view(*input_shape, -1,
+                                                              self.head_dim * 2), 2, dim=-1)
+        gate = gate.reshape(*input_shape, -1)
+        q = self.q_norm(q.reshape(hidden_shape)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        out = _attend(self, q, k, v, selection, error, ctx)
+        out = out.reshape(*input_shape, -1).contiguous() * torch.sigmoid(gate)
+        return self.o_proj(out), None
 
 
-def _ring_minimax_attention(base):
-    class RingMiniMaxM3VLAttention(base):
-        """MiniMax-M3's sparse attention over the ring: its own projections, norms and
-        partial RoPE; the lightning indexer's block selection over the whole sequence (one
-        per key/value head) as a ring mask."""
 
-        def forward(self, hidden_states, position_embeddings, attention_mask, cache=None,
-                    **kwargs):
-            from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import (
-                apply_rotary_pos_emb)
+class _MiniMaxM3VLAttention(SwapMixin):
+    """MiniMax-M3's sparse attention over the ring: its own projections, norms and
+    partial RoPE; the lightning indexer's block selection over the whole sequence (one
+    per key/value head) as a ring mask."""
 
-            ctx = kwargs.pop("ring_context", None)
-            if ctx is None:
-                if getattr(owner(self), "_ringattn_context_parallel", False):
-                    raise missing_error(self)
-                return super().forward(hidden_states, position_embeddings, attention_mask,
-                                       cache=cache, **kwargs)
-            position_ids = kwargs.get("position_ids")
-            selection, error = _minimax_selection(self, hidden_states, position_embeddings,
-                                                  position_ids, attention_mask, cache, ctx,
-                                                  kwargs)
-            input_shape = hidden_states.shape[:-1]
-            hidden_shape = (*input_shape, -1, self.head_dim)
-            q = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
-            k = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
-            v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-            cos, sin = position_embeddings
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            out = _attend(self, q, k, v, selection, error, ctx)
-            return self.o_proj(out.reshape(*input_shape, -1).contiguous()), None
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None,
+                **kwargs):
+        from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import (
+            apply_rotary_pos_emb)
 
-    return RingMiniMaxM3VLAttention
+        ctx = kwargs.pop("ring_context", None)
+        if ctx is None:
+            if getattr(owner(self), "_ringattn_context_parallel", False):
+                raise missing_error(self)
+            return super().forward(hidden_states, position_embeddings, attention_mask,
+                                   cache=cache, **kwargs)
+        position_ids = kwargs.get("position_ids")
+        selection, error = _minimax_selection(self, hidden_states, position_embeddings,
+                                              position_ids, attention_mask, cache, ctx,
+                                              kwargs)
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        out = _attend(self, q, k, v, selection, error, ctx)
+        return self.o_proj(out.reshape(*input_shape, -1).contiguous()), None
 
-
-_CLASSES: dict = {}
 
 
 def convert_block_indexer(model) -> None:
@@ -479,20 +473,18 @@ def convert_block_indexer(model) -> None:
                 f"ringattn converts Qwen4-Exp without per-layer n-gram embeddings "
                 f"(ple_layer_ids={list(model.config.ple_layer_ids)}: they hash each token's "
                 f"predecessors, which another rank holds)")
-        make = _ring_qwen4_attention
+        mixin = _Qwen4ExpTextAttention
     else:
         from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import (
             MiniMaxM3VLAttention as base)
 
-        make = _ring_minimax_attention
+        mixin = _MiniMaxM3VLAttention
     found = [m for m in model.modules()
              if type(m) is base and getattr(m, "indexer", None) is not None]
     if not found:
         raise ValueError(f"{type(model).__name__} has no indexed attention layer to convert")
-    if base not in _CLASSES:
-        _CLASSES[base] = make(base)
     for module in found:
-        module.__class__ = _CLASSES[base]
+        module.__class__ = swap_class(mixin, base)
     if family == "minimax_m3_vl_text":  # its indexer scores the left padding's keys
         hook_restore_padding(model)
 

@@ -65,7 +65,7 @@ from ....masks import (
 )
 from ..attention import ModelMask, _ring_arguments
 from ..checks import register_attention
-from ..state import MISSING, bind_context, bound_context, missing_error
+from ..state import MISSING, SwapMixin, bind_context, bound_context, missing_error, swap_class
 
 __all__ = ["SELECTION", "Selection", "agreed_token", "attach_selection", "convert_indexer",
            "gather_sequence", "row_chunks", "row_mask"]
@@ -239,24 +239,21 @@ def row_mask(module, attention_mask, ctx) -> Mask:
     return mask
 
 
-def _ring_indexer(base):
-    class RingIndexer(base):
-        """The indexer over the whole sequence: its own forward on this rank's queries,
-        against every rank's keys; the selection as a mask for the ring."""
+class _Indexer(SwapMixin):
+    """The indexer over the whole sequence: its own forward on this rank's queries,
+    against every rank's keys; the selection as a mask for the ring."""
 
-        def forward(self, hidden_states, q_resid, position_embeddings, attention_mask,
-                    position_ids=None, cache=None, **kwargs):
-            ctx = bound_context(self)
-            if ctx is MISSING:
-                raise missing_error(self)
-            if ctx is None:
-                return super().forward(hidden_states, q_resid, position_embeddings,
-                                       attention_mask, position_ids, cache=cache, **kwargs)
-            return _select(self, super().forward, hidden_states, q_resid, position_embeddings,
-                           attention_mask, position_ids, cache, ctx)
+    def forward(self, hidden_states, q_resid, position_embeddings, attention_mask,
+                position_ids=None, cache=None, **kwargs):
+        ctx = bound_context(self)
+        if ctx is MISSING:
+            raise missing_error(self)
+        if ctx is None:
+            return super().forward(hidden_states, q_resid, position_embeddings,
+                                   attention_mask, position_ids, cache=cache, **kwargs)
+        return _select(self, super().forward, hidden_states, q_resid, position_embeddings,
+                       attention_mask, position_ids, cache, ctx)
 
-    RingIndexer.__name__ = RingIndexer.__qualname__ = f"Ring{base.__name__}"
-    return RingIndexer
 
 
 @torch.no_grad()
@@ -314,9 +311,6 @@ def _dtype_code(dtype) -> int:
         if dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16) else 9
 
 
-_CLASSES: dict = {}
-
-
 def convert_indexer(model) -> None:
     """Replace the indexer modules of a DSA model by ones that select over the whole
     sequence under a ring context."""
@@ -326,10 +320,7 @@ def convert_indexer(model) -> None:
     if not found:
         raise ValueError(f"{type(model).__name__} has no indexer to convert")
     for module in found:
-        cls = type(module)
-        if cls not in _CLASSES:
-            _CLASSES[cls] = _ring_indexer(cls)
-        module.__class__ = _CLASSES[cls]
+        module.__class__ = swap_class(_Indexer, type(module))
     bind_context(model, found)
 
 

@@ -41,6 +41,7 @@ from ....score_bias import ring_attention_with_bias
 from ....validate import caller_error
 from ..attention import ModelMask, _ring_arguments, ring_attention_forward
 from ..checks import NOT_ATTENTION_KWARGS, register_attention
+from ..state import SwapMixin, swap_class
 from .indexer import (
     _crc,
     _dtype_code,
@@ -95,41 +96,39 @@ def _biased_attention(module, q, k, v, attention_mask, scale, sliding_window, ta
     return out
 
 
-def _ring_inkling_attention(base):
-    class RingInklingAttention(base):
-        """Inkling's attention over the ring: its projections, short convolutions, q/k norms
-        and relative logits, the bias handed to ring attention per query."""
+class _InklingAttention(SwapMixin):
+    """Inkling's attention over the ring: its projections, short convolutions, q/k norms
+    and relative logits, the bias handed to ring attention per query."""
 
-        def forward(self, hidden_states, attention_mask, conv_mask=None, cache=None, **kwargs):
-            ctx = kwargs.get("ring_context")
-            if ctx is None:
-                return super().forward(hidden_states, attention_mask, conv_mask=conv_mask,
-                                       cache=cache, **kwargs)
-            if cache is not None:
-                raise ValueError(f"{type(self).__name__} got a cache under context "
-                                 f"parallelism; call the model with use_cache=False")
-            shape = hidden_states.shape[:-1]
-            hidden_shape = (*shape, -1, self.head_dim)
-            q = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
-            k = self.k_sconv(self.k_proj(hidden_states), conv_mask=conv_mask)
-            v = self.v_sconv(self.v_proj(hidden_states), conv_mask=conv_mask)
-            k = self.k_norm(k.view(hidden_shape)).transpose(1, 2)
-            v = v.view(hidden_shape).transpose(1, 2)
-            relative = self.r_proj(hidden_states).view(*shape, self.num_heads, -1)
-            table = relative @ self.rel_logits_proj.proj  # [B, L, H, E]
-            if not self.is_sliding and self.config.log_scaling_n_floor is not None:
-                pos = _local_positions(ctx) if ctx.cu_seqlens is None else _in_document(ctx)
-                effective = (pos.to(hidden_states.device) + 1).float()
-                tau = 1.0 + self.config.log_scaling_alpha * torch.log(
-                    (effective / self.config.log_scaling_n_floor).clamp(min=1.0))
-                q = (q.float() * tau.view(1, 1, -1, 1)).to(q.dtype)
-                table = (table.float() * tau.view(1, -1, 1, 1)).to(table.dtype)
-            out = _biased_attention(self, q, k, v, attention_mask, self.scaling,
-                                    self.sliding_window, table, self.rel_extent, None, ctx,
-                                    kwargs)
-            return self.o_proj(out.reshape(*shape, -1).contiguous()), None
+    def forward(self, hidden_states, attention_mask, conv_mask=None, cache=None, **kwargs):
+        ctx = kwargs.get("ring_context")
+        if ctx is None:
+            return super().forward(hidden_states, attention_mask, conv_mask=conv_mask,
+                                   cache=cache, **kwargs)
+        if cache is not None:
+            raise ValueError(f"{type(self).__name__} got a cache under context "
+                             f"parallelism; call the model with use_cache=False")
+        shape = hidden_states.shape[:-1]
+        hidden_shape = (*shape, -1, self.head_dim)
+        q = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        k = self.k_sconv(self.k_proj(hidden_states), conv_mask=conv_mask)
+        v = self.v_sconv(self.v_proj(hidden_states), conv_mask=conv_mask)
+        k = self.k_norm(k.view(hidden_shape)).transpose(1, 2)
+        v = v.view(hidden_shape).transpose(1, 2)
+        relative = self.r_proj(hidden_states).view(*shape, self.num_heads, -1)
+        table = relative @ self.rel_logits_proj.proj  # [B, L, H, E]
+        if not self.is_sliding and self.config.log_scaling_n_floor is not None:
+            pos = _local_positions(ctx) if ctx.cu_seqlens is None else _in_document(ctx)
+            effective = (pos.to(hidden_states.device) + 1).float()
+            tau = 1.0 + self.config.log_scaling_alpha * torch.log(
+                (effective / self.config.log_scaling_n_floor).clamp(min=1.0))
+            q = (q.float() * tau.view(1, 1, -1, 1)).to(q.dtype)
+            table = (table.float() * tau.view(1, -1, 1, 1)).to(table.dtype)
+        out = _biased_attention(self, q, k, v, attention_mask, self.scaling,
+                                self.sliding_window, table, self.rel_extent, None, ctx,
+                                kwargs)
+        return self.o_proj(out.reshape(*shape, -1).contiguous()), None
 
-    return RingInklingAttention
 
 
 def _in_document(ctx) -> torch.Tensor:
@@ -139,42 +138,40 @@ def _in_document(ctx) -> torch.Tensor:
     return positions(ctx.seqlen, group=ctx.group, layout=ctx.layout, cu_seqlens=ctx.cu_seqlens)[1]
 
 
-def _ring_inkling2_attention(base):
-    class RingInkling2Attention(base):
-        """Inkling2's sliding or full attention over the ring: its projections (dynamic
-        convolutions, clips, log scaling by position ids), relative bias and sink logits
-        per query, handed to ring attention."""
+class _Inkling2Attention(SwapMixin):
+    """Inkling2's sliding or full attention over the ring: its projections (dynamic
+    convolutions, clips, log scaling by position ids), relative bias and sink logits
+    per query, handed to ring attention."""
 
-        def forward(self, hidden_states, *args, **kwargs):
-            ctx = kwargs.get("ring_context")
-            if ctx is None or args:
-                return super().forward(hidden_states, *args, **kwargs)
-            if kwargs.pop("cache", None) is not None:
-                raise ValueError(f"{type(self).__name__} got a cache under context "
-                                 f"parallelism; call the model with use_cache=False")
-            key_states_in = kwargs.pop("key_hidden_states", None)
-            value_states_in = kwargs.pop("value_hidden_states", None)
-            key_states_in = hidden_states if key_states_in is None else key_states_in
-            value_states_in = hidden_states if value_states_in is None else value_states_in
-            attention_mask = kwargs.pop("attention_mask", None)
-            kwargs.pop("relative_distance", None)  # local slots: the ring uses global ones
-            conv_mask = kwargs.pop("conv_mask", None)
-            offset = kwargs.pop("cache_offset", 0)
-            position_ids = kwargs["position_ids"]
-            shape = hidden_states.shape[:-1]
-            q = self.q_proj(hidden_states, position_ids)
-            k = self.k_proj(key_states_in, conv_mask=conv_mask, cache_offset=offset, **kwargs)
-            v = self.v_proj(value_states_in, conv_mask=conv_mask, cache_offset=offset, **kwargs)
-            bias = self.relative_position_bias
-            relative = bias.linear(hidden_states).view(*shape, bias.num_heads, -1)
-            table = bias.norm(relative, position_ids) @ bias.proj  # [B, L, H, E]
-            sinks = self.sink_proj(hidden_states).transpose(1, 2)  # [B, H, L]
-            out = _biased_attention(self, q, k, v, attention_mask, self.scaling,
-                                    self.sliding_window, table, bias.rel_extent, sinks, ctx,
-                                    kwargs)
-            return self.o_proj(out.reshape(*shape, -1).contiguous(), hidden_states), None
+    def forward(self, hidden_states, *args, **kwargs):
+        ctx = kwargs.get("ring_context")
+        if ctx is None or args:
+            return super().forward(hidden_states, *args, **kwargs)
+        if kwargs.pop("cache", None) is not None:
+            raise ValueError(f"{type(self).__name__} got a cache under context "
+                             f"parallelism; call the model with use_cache=False")
+        key_states_in = kwargs.pop("key_hidden_states", None)
+        value_states_in = kwargs.pop("value_hidden_states", None)
+        key_states_in = hidden_states if key_states_in is None else key_states_in
+        value_states_in = hidden_states if value_states_in is None else value_states_in
+        attention_mask = kwargs.pop("attention_mask", None)
+        kwargs.pop("relative_distance", None)  # local slots: the ring uses global ones
+        conv_mask = kwargs.pop("conv_mask", None)
+        offset = kwargs.pop("cache_offset", 0)
+        position_ids = kwargs["position_ids"]
+        shape = hidden_states.shape[:-1]
+        q = self.q_proj(hidden_states, position_ids)
+        k = self.k_proj(key_states_in, conv_mask=conv_mask, cache_offset=offset, **kwargs)
+        v = self.v_proj(value_states_in, conv_mask=conv_mask, cache_offset=offset, **kwargs)
+        bias = self.relative_position_bias
+        relative = bias.linear(hidden_states).view(*shape, bias.num_heads, -1)
+        table = bias.norm(relative, position_ids) @ bias.proj  # [B, L, H, E]
+        sinks = self.sink_proj(hidden_states).transpose(1, 2)  # [B, H, L]
+        out = _biased_attention(self, q, k, v, attention_mask, self.scaling,
+                                self.sliding_window, table, bias.rel_extent, sinks, ctx,
+                                kwargs)
+        return self.o_proj(out.reshape(*shape, -1).contiguous(), hidden_states), None
 
-    return RingInkling2Attention
 
 
 class _EagerConfig:
@@ -188,49 +185,49 @@ class _EagerConfig:
         self.__dict__["_config"] = config
 
     def __getattr__(self, name):
+        if "_config" not in self.__dict__:  # an empty copy that pickle or deepcopy fills
+            raise AttributeError(name)
         return getattr(self.__dict__["_config"], name)
 
 
-def _ring_doge_attention(base):
-    class RingDogeAttention(base):
-        """Doge's attention over the ring: its projections, rotary embedding and dynamic
-        mask, the mask's per-key bias carried as one more head-dim channel."""
+class _DogeAttention(SwapMixin):
+    """Doge's attention over the ring: its projections, rotary embedding and dynamic
+    mask, the mask's per-key bias carried as one more head-dim channel."""
 
-        def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None,
-                    **kwargs):
-            from transformers.models.doge.modeling_doge import apply_rotary_pos_emb
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None,
+                **kwargs):
+        from transformers.models.doge.modeling_doge import apply_rotary_pos_emb
 
-            ctx = kwargs.get("ring_context")
-            if ctx is None:
-                return super().forward(hidden_states, position_embeddings, attention_mask,
-                                       cache=cache, **kwargs)
-            if cache is not None:
-                raise ValueError(f"{type(self).__name__} got a cache under context "
-                                 f"parallelism; call the model with use_cache=False")
-            shape = hidden_states.shape[:-1]
-            hidden_shape = (*shape, -1, self.head_dim)
-            q = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
-            k = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
-            v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-            cos, sin = position_embeddings
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            dt = self.dt_proj(v.transpose(1, 2).reshape(*shape, -1))
-            bias = torch.exp(self.A * torch.nn.functional.softplus(dt)).transpose(-1, -2)
-            longest = (max(b - a for a, b in zip(ctx.cu_seqlens[:-1], ctx.cu_seqlens[1:]))
-                       if ctx.cu_seqlens is not None else ctx.seqlen)
-            if longest > self.keep_window_size:  # the same global values on every rank
-                kwargs["indices"] = _doge_selection(self, hidden_states, bias, attention_mask,
-                                                    ctx)
-            # scale * [q, 1/scale] . [k, b] = scale * q.k + b: the bias as a head-dim channel
-            q = torch.cat([q, q.new_full((*q.shape[:-1], 1), 1.0 / self.scaling)], dim=-1)
-            k = torch.cat([k, bias.unsqueeze(-1).to(k.dtype)], dim=-1)
-            out, _ = ring_attention_forward(
-                self, q, k, v, attention_mask,
-                dropout=self.attention_dropout if self.training else 0.0,
-                scaling=self.scaling, **kwargs)
-            return self.o_proj(out.reshape(*shape, -1).contiguous()), None
+        ctx = kwargs.get("ring_context")
+        if ctx is None:
+            return super().forward(hidden_states, position_embeddings, attention_mask,
+                                   cache=cache, **kwargs)
+        if cache is not None:
+            raise ValueError(f"{type(self).__name__} got a cache under context "
+                             f"parallelism; call the model with use_cache=False")
+        shape = hidden_states.shape[:-1]
+        hidden_shape = (*shape, -1, self.head_dim)
+        q = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        dt = self.dt_proj(v.transpose(1, 2).reshape(*shape, -1))
+        bias = torch.exp(self.A * torch.nn.functional.softplus(dt)).transpose(-1, -2)
+        longest = (max(b - a for a, b in zip(ctx.cu_seqlens[:-1], ctx.cu_seqlens[1:]))
+                   if ctx.cu_seqlens is not None else ctx.seqlen)
+        if longest > self.keep_window_size:  # the same global values on every rank
+            kwargs["indices"] = _doge_selection(self, hidden_states, bias, attention_mask,
+                                                ctx)
+        # scale * [q, 1/scale] . [k, b] = scale * q.k + b: the bias as a head-dim channel
+        q = torch.cat([q, q.new_full((*q.shape[:-1], 1), 1.0 / self.scaling)], dim=-1)
+        k = torch.cat([k, bias.unsqueeze(-1).to(k.dtype)], dim=-1)
+        out, _ = ring_attention_forward(
+            self, q, k, v, attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling, **kwargs)
+        return self.o_proj(out.reshape(*shape, -1).contiguous()), None
 
-    return RingDogeAttention
 
 
 @torch.no_grad()
@@ -275,25 +272,22 @@ def _bases(family: str):
     if family == "doge":
         from transformers.models.doge.modeling_doge import DogeAttention
 
-        return {DogeAttention: _ring_doge_attention}, ()
+        return {DogeAttention: _DogeAttention}, ()
     if family == "inkling_text":
         from transformers.models.inkling.modeling_inkling import InklingAttention
 
-        return {InklingAttention: _ring_inkling_attention}, ()
+        return {InklingAttention: _InklingAttention}, ()
     if family == "inkling2_text":
         from transformers.models.inkling2 import modeling_inkling2 as m
 
-        return ({m.Inkling2SlidingAttention: _ring_inkling2_attention,
-                 m.Inkling2FullAttention: _ring_inkling2_attention},
+        return ({m.Inkling2SlidingAttention: _Inkling2Attention,
+                 m.Inkling2FullAttention: _Inkling2Attention},
                 ("Inkling2BlockAttentionResidual",))
     from transformers.models.inkling2_loop import modeling_inkling2_loop as m
 
-    return ({m.Inkling2LoopSlidingAttention: _ring_inkling2_attention,
-             m.Inkling2LoopFullAttention: _ring_inkling2_attention},
+    return ({m.Inkling2LoopSlidingAttention: _Inkling2Attention,
+             m.Inkling2LoopFullAttention: _Inkling2Attention},
             ("Inkling2LoopBlockAttentionResidual", "Inkling2LoopMessageAttentionResidual"))
-
-
-_CLASSES: dict = {}
 
 
 def convert_score_bias(model) -> None:
@@ -303,11 +297,9 @@ def convert_score_bias(model) -> None:
     bases, depth = _bases(family)
     found = []
     for module in model.modules():
-        make = bases.get(type(module))
-        if make is not None:
-            if type(module) not in _CLASSES:
-                _CLASSES[type(module)] = make(type(module))
-            module.__class__ = _CLASSES[type(module)]
+        mixin = bases.get(type(module))
+        if mixin is not None:
+            module.__class__ = swap_class(mixin, type(module))
             found.append(module)
         elif type(module).__name__ in depth and not isinstance(module.config, _EagerConfig):
             module.config = _EagerConfig(module.config)
