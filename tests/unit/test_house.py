@@ -5,6 +5,9 @@
   ``batch`` <- ``context`` <- ``__init__`` (the face); no arrow back up, no circle, and no function-level import of a
   module of the package (one placed to dodge a cycle);
 * no module named ``_more``, ``_misc``, ``utils`` or by arrival order;
+* the Eagle3 library (``eagle3/``) imports neither the integrations nor the programs, at
+  any depth (ModelOpt's and SpecForge's Eagle3 trainers in ``integrations/`` import it;
+  the transformers integration hands ``eagle3.target`` its loader of "ringattn" targets);
 * the families ``convert`` serves and those it refuses come from the mechanism files'
   tables alone, and docs/models.md's survey says the same of each: exact or refused.
 """
@@ -19,7 +22,8 @@ import pytest
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGE = ROOT / "src" / "ringattn" / "integrations" / "transformers"
+SRC = ROOT / "src" / "ringattn"
+PACKAGE = SRC / "integrations" / "transformers"
 LEVELS = {"state": 0, "checks": 1, "attention": 2, "families": 3, "mixers": 3, "convert": 4,
           "batch": 4, "head": 4, "tiled_mlp": 4, "context": 5, "__init__": 6}
 """Each module's (or subpackage's) level: a module imports only from lower levels, or from
@@ -68,6 +72,55 @@ def test_the_package_imports_in_one_direction():
     assert not bad, bad
     names = {p.stem for p in (ROOT / "src" / "ringattn" / "integrations").rglob("*.py")}
     assert not names & {"_more", "_misc", "utils", "misc", "more"}, names
+
+
+ABOVE = {"eagle3": ("integrations", "apps")}
+"""ringattn's subpackages that import nothing of the subpackages named (module-level or in
+a function, relative or absolute, or by ``importlib.import_module``)."""
+
+
+def _ringattn_imports(source: str, package: str):
+    """(dotted name, line) of each module under ringattn that ``source``, a module of
+    ``package`` ("ringattn.eagle3"), imports; ``from X import a`` names X and X.a."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[:len(package.split(".")) - node.level + 1] \
+                if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            names = [module] + [f"{module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(
+                node.func, "id", None)) in ("import_module", "__import__") and node.args \
+                and isinstance(node.args[0], ast.Constant):
+            names = [str(node.args[0].value)]
+        else:
+            continue
+        for name in names:
+            if name.startswith("ringattn."):
+                yield name, node.lineno
+
+
+@pytest.mark.parametrize("source", [
+    "from ..integrations import transformers as ra_hf", "from .. import integrations",
+    "import ringattn.integrations.transformers", "from ringattn.apps import train",
+    "def f():\n    from ...integrations.transformers import convert",
+    "importlib.import_module('ringattn.integrations.transformers')"])
+def test_an_import_of_the_integrations_is_seen(source):
+    package = "ringattn.eagle3.sub" if "..." in source else "ringattn.eagle3"
+    seen = [name for name, _ in _ringattn_imports(source, package)]
+    assert any(name.split(".")[1] in ABOVE["eagle3"] for name in seen), (source, seen)
+
+
+def test_eagle3_imports_no_integration():
+    bad = []
+    for unit, forbidden in ABOVE.items():
+        for path in sorted((SRC / unit).rglob("*.py")):
+            package = ".".join(("ringattn",) + path.relative_to(SRC).parent.parts)
+            for name, line in _ringattn_imports(path.read_text(), package):
+                if name.split(".")[1] in forbidden:
+                    bad.append(f"{path.relative_to(SRC)}:{line}: {unit}/ imports {name}")
+    assert not bad, bad
 
 
 def test_served_and_refused_families_from_the_tables_match_the_docs():

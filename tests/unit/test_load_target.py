@@ -31,3 +31,21 @@ def test_load_target_converts_a_hybrid(tmp_path, family):
     assert max(model.eagle3_aux_layers) < n and len(model.eagle3_aux_layers) == 3
     one = load_target(str(tmp_path), attn_implementation="eager")  # one process: untouched
     assert not ra_hf.mixers_converted(one)
+
+
+def test_ring_targets_load_through_the_integration(tmp_path, monkeypatch):
+    """eagle3 imports no integration: the transformers integration, once imported, hands
+    ``load_target`` its loader of "ringattn" targets; without it, "ringattn" is refused by
+    name and a one-process implementation still loads."""
+    from ringattn.eagle3 import target
+    from ringattn.integrations import transformers as ra_hf
+
+    assert target.RING == ra_hf.NAME and target._LOADERS[ra_hf.NAME] is ra_hf.load_pretrained
+    config, cls = FAMILIES["llama"]()
+    config.num_hidden_layers = 3
+    torch.manual_seed(0)
+    cls(config).save_pretrained(tmp_path)
+    monkeypatch.setattr(target, "_LOADERS", {})
+    with pytest.raises(ValueError, match="through the transformers integration: import it"):
+        target.load_target(str(tmp_path))
+    assert not ra_hf.converted(target.load_target(str(tmp_path), attn_implementation="eager"))

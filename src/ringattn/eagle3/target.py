@@ -3,7 +3,9 @@
 Legend: S sequence length, H target hidden size, V target vocabulary.
 
 Online training runs the frozen target on every batch (``run_target``; under CP through the
-transformers integration). Offline training reads what the target would have produced from
+transformers integration, which this library does not import: the integration, once
+imported, hands ``load_target`` its loader of "ringattn" targets, ``register_loader``).
+Offline training reads what the target would have produced from
 disk, written once by ``precompute`` (``python -m ringattn.apps.eagle3_target``), in this format:
 
 * ``<dir>/index.json``: ``{"format": "ringattn-eagle3-offline", "version": 2,
@@ -24,19 +26,33 @@ import os
 
 import torch
 
-from ..integrations import transformers as ra_hf
 from .draft import aux_layer_ids, capture_aux_hidden, check_aux_layers, decoder_layers
 
-__all__ = ["load_target", "precompute", "OfflineSamples", "FORMAT"]
+__all__ = ["load_target", "precompute", "OfflineSamples", "FORMAT", "register_loader"]
 
 FORMAT = "ringattn-eagle3-offline"
 VERSION = 2
 """Version 1 stored ``output_hidden_states[i + 1]``, which for the last layer is after the
 final norm; version 2 stores every layer's raw output (what servers feed the draft)."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+RING = "ringattn"
+"""The attention implementation ring attention registers with transformers (the transformers
+integration's ``NAME``): ``load_target``'s default."""
+_LOADERS: dict = {}
+"""attention implementation -> ``load(path, dtype)`` of the integration that registers it."""
 
 
-def load_target(path: str, *, dtype: str = "float32", attn_implementation: str = ra_hf.NAME,
+def register_loader(attn_implementation: str, load) -> None:
+    """Load the targets that run ``attn_implementation`` with ``load(path, dtype)`` (a torch
+    dtype; returns the model): how an integration that registers an attention
+    implementation with transformers gives ``load_target`` a model that runs it. The
+    Eagle3 library imports no integration; ``ringattn.integrations.transformers``
+    registers "ringattn" here when imported (its ``load_pretrained``: the attention
+    registered, the model ``convert``-ed)."""
+    _LOADERS[attn_implementation] = load
+
+
+def load_target(path: str, *, dtype: str = "float32", attn_implementation: str = RING,
                 aux_layers=None):
     """A frozen causal LM from a local transformers directory (``from_pretrained``), in
     eval mode, with ``eagle3_aux_layers`` set (``aux_layers`` or ``aux_layer_ids``).
@@ -44,41 +60,34 @@ def load_target(path: str, *, dtype: str = "float32", attn_implementation: str =
     Arguments:
         path: a directory with ``config.json`` and the weights (no download is tried).
         dtype: "float32" or "bfloat16".
-        attn_implementation: "ringattn" (under CP; registered here and the model
-            ``convert``-ed: a hybrid target's sequence mixers run across ranks) or one of
-            transformers' ("sdpa", "eager") for one process.
+        attn_implementation: "ringattn" (under CP; loaded by the transformers integration,
+            ``ringattn.integrations.transformers``, imported first: registered there and
+            the model ``convert``-ed, so a hybrid target's sequence mixers run across
+            ranks) or one of transformers' ("sdpa", "eager") for one process.
 
     Raises:
-        ValueError: a path that is not such a directory, a bad dtype, or a model ring
-            attention cannot run exactly.
+        ValueError: a path that is not such a directory, a bad dtype, a model ring
+            attention cannot run exactly, or "ringattn" without the transformers
+            integration imported.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if not os.path.isfile(os.path.join(str(path), "config.json")):
         raise ValueError(f"target {path!r} is not a local transformers model directory "
                          f"(no config.json)")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    ring = attn_implementation == ra_hf.NAME
-    if ring:
-        ra_hf.register()
-    try:
+    load = _LOADERS.get(attn_implementation)
+    if load is None and attn_implementation == RING:
+        raise ValueError(f"attn_implementation={RING!r} targets load through the transformers "
+                         f"integration: import it first (from ringattn.integrations import "
+                         f"transformers as ra_hf), or pass 'sdpa' or 'eager' for one process")
+    if load is not None:  # the integration's: registered, then converted
+        model = load(path, _DTYPES[dtype])
+    else:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=_DTYPES[dtype], attn_implementation=attn_implementation,
             local_files_only=True)
-    except (KeyError, ValueError, TypeError, AttributeError):
-        # classes that compute attention themselves fail in their constructor when asked
-        # for a registered name (Falcon's and GPT-Neo's bare KeyError): say why, if we know
-        if ring:
-            import transformers
-
-            config = AutoConfig.from_pretrained(path, local_files_only=True)
-            for name in config.architectures or ():
-                if hasattr(transformers, name):
-                    ra_hf.check_model(getattr(transformers, name), config)
-        raise
-    if ring:  # what convert makes exact (a hybrid's mixers, a router loss), else refused
-        ra_hf.convert(model)
     n = len(decoder_layers(model))
     model.eagle3_aux_layers = check_aux_layers(aux_layers, n) if aux_layers is not None else \
         aux_layer_ids(n)

@@ -49,8 +49,9 @@ from .attention import ModelMask, check_attention, register, ring_attention_forw
 from .batch import prepare_batch
 from .checks import (BUILT_EAGER, MIXER_FAMILIES, NAME, NOT_ATTENTION_KWARGS, POSITIONS_FROM_MASK,
                      check_model, converted, convertible, global_router_loss, mixers_converted)
+from ...eagle3.target import register_loader
 from .context import average_gradients, context_parallel
-from .convert import convert
+from .convert import convert, load_pretrained
 from .head import tile_problem, tiled_call
 from .mixers import convert_mixers
 from .tiled_mlp import tile_mlp, tiled_mlps
@@ -59,10 +60,12 @@ __all__ = ["average_gradients", "check_consumed", "check_model", "context_parall
            "prepare_batch", "register", "tile_mlp"]
 _DOCUMENTED = (BUILT_EAGER, NAME, NOT_ATTENTION_KWARGS, POSITIONS_FROM_MASK, ModelMask,
                check_attention, converted, convertible, convert_mixers, global_router_loss,
-               mixers_converted, ring_attention_forward, tile_problem, tiled_call, tiled_mlps)
+               mixers_converted, ring_attention_forward, tile_problem, tiled_call, tiled_mlps,
+               load_pretrained)
 """The face. Also importable, as documented: ``NAME``, ``CONVERTIBLE``, ``BUILT_EAGER``,
 ``check_attention``, ``converted``, ``global_router_loss``, ``mixers_converted``,
-``convertible``, ``convert_mixers`` (the mixer half of ``convert``), ``ModelMask``,
+``convertible``, ``convert_mixers`` (the mixer half of ``convert``), ``load_pretrained``
+(a local model directory with ring attention, converted), ``ModelMask``,
 ``ring_attention_forward``, ``NOT_ATTENTION_KWARGS``, ``POSITIONS_FROM_MASK``,
 ``tile_problem`` (why a model's loss runs untiled) and ``tiled_call`` (the tiled loss of
 one forward, for a trainer of one's own), ``tiled_mlps`` (the tile ``tile_mlp`` gave a
@@ -71,6 +74,10 @@ model)."""
 CONVERTIBLE = frozenset(MIXER_FAMILIES)
 """model_type of the hybrid families whose sequence mixers ``convert`` serves (the rows of
 the ``mixers/`` files)."""
+
+# the Eagle3 library loads "ringattn" targets through this integration, which it does not
+# import (eagle3/ sits above integrations/: tests/unit/test_house.py)
+register_loader(NAME, load_pretrained)
 
 
 def check_consumed(ring_context, model=None) -> None:

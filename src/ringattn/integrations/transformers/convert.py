@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from .checks import (MIXER_FAMILIES, _computes_attention_itself, _config_problem, check_model,
-                     converted, convertible)
+from .attention import register
+from .checks import (MIXER_FAMILIES, NAME, _computes_attention_itself, _config_problem,
+                     check_model, converted, convertible)
 from .families import convert_attention, convert_router, convert_temperature, router_loss_problem
 from .mixers import convert_mixers
 from .state import record
 
-__all__ = ["convert"]
+__all__ = ["convert", "load_pretrained"]
 
 
 def convert(model):
@@ -68,6 +69,39 @@ def convert(model):
     record(model, converted=True)
     check_model(model)
     return model
+
+
+def load_pretrained(path: str, dtype=None):
+    """A causal LM from a local transformers directory that runs ring attention: "ringattn"
+    registered (``register``), ``from_pretrained(path, attn_implementation="ringattn",
+    local_files_only=True)``, then ``convert``-ed (a hybrid's sequence mixers run across
+    ranks, a router loss is global). ``ringattn.eagle3.target.load_target`` loads its
+    "ringattn" targets with it.
+
+    Arguments:
+        path: a directory with ``config.json`` and the weights (no download is tried).
+        dtype: a torch dtype, or None (transformers' default).
+
+    Raises:
+        ValueError: a model ring attention cannot run exactly (``check_model``'s reason,
+            also for classes that compute attention themselves and fail in their
+            constructor when asked for a registered name: Falcon's and GPT-Neo's bare
+            KeyError), or ``convert``'s refusal.
+    """
+    import transformers
+
+    register()
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=NAME, local_files_only=True)
+    except (KeyError, ValueError, TypeError, AttributeError):
+        # say why, if check_model knows; else transformers' own error
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        for name in config.architectures or ():
+            if hasattr(transformers, name):
+                check_model(getattr(transformers, name), config)
+        raise
+    return convert(model)
 
 
 if __name__ == "__main__":  # a library module: name the programs, do not exit 0
