@@ -50,7 +50,7 @@ def _set(**kw):
     return lambda a: a.update(kw)
 
 
-ROWS = [  # (id, edit(args, rank), exception, words)
+ROWS = [  # (id, edit(args, rank), exception (None: none), words)
     ("q-3d", _everywhere(lambda a: a.update(q=a["q"][0])), ValueError, "q must be 4-D"),
     ("heads-not-multiple", _everywhere(lambda a: a.update(k=a["k"][:, :, :1].expand(1, 4, 3, 8).contiguous(), v=a["v"][:, :, :1].expand(1, 4, 3, 8).contiguous())),
      ValueError, "ranks 0, 1, 2: q has 4 heads, not a multiple of k's 3 heads"),
@@ -78,6 +78,15 @@ ROWS = [  # (id, edit(args, rank), exception, words)
     ("sinks-not-tensor", _everywhere(_set(sinks=[0.0] * 4)), TypeError, "sinks must be a float tensor"),
     ("alibi-wrong-shape", _everywhere(_set(alibi_slopes=[0.5] * 3)), ValueError, "alibi_slopes must have shape"),
     ("alibi-on-one-rank", _on_rank(1, _set(alibi_slopes=[0.5] * 4)), ValueError, "alibi_slopes"),
+    # flash-attn's dropout_p: 0 accepted (once a TypeError), anything else refused everywhere
+    ("dropout-zero", _everywhere(_set(dropout_p=0.0)), None, ""),
+    ("dropout-int-zero", _everywhere(_set(dropout_p=0)), None, ""),
+    ("dropout", _everywhere(_set(dropout_p=0.1)), ValueError,
+     "ranks 0, 1, 2: dropout_p=0.1: ringattn computes exact attention, without dropout "
+     "(dropout_p must be 0)"),
+    ("dropout-on-rank1-only", _on_rank(1, _set(dropout_p=0.5)), ValueError,
+     "rank 1: dropout_p=0.5"),
+    ("dropout-true", _everywhere(_set(dropout_p=True)), ValueError, "dropout_p=True"),
     ("dtensor-input", _everywhere(lambda a: a.update(q=_dtensor(a["q"]))), TypeError, ".to_local()"),
     ("layout-differs-from-shard", _everywhere(lambda a: a.update(q=_tagged(a["q"], "striped"))), ValueError, "sharded with layout 'striped' but is attended with layout 'zigzag'"),
     ("batch-differs-on-rank2", _on_rank(2, lambda a: a.update(q=a["q"].repeat(2, 1, 1, 1), k=a["k"].repeat(2, 1, 1, 1), v=a["v"].repeat(2, 1, 1, 1))),
@@ -169,8 +178,9 @@ def test_bad_input_raises_on_every_rank(clusters, strategy):
     for rank, seen in enumerate(per_rank):
         for name, _, exc, words in _rows(strategy):
             kind, msg = seen[name]
-            if kind != exc.__name__ or words not in msg:
-                bad.append(f"rank {rank} {name}: got {kind}: {msg!r}; want {exc.__name__} with {words!r}")
+            want = "no error" if exc is None else exc.__name__
+            if kind != want or words not in msg:
+                bad.append(f"rank {rank} {name}: got {kind}: {msg!r}; want {want} with {words!r}")
     assert not bad, "\n".join(bad)
 
 

@@ -136,6 +136,13 @@ def hybrid_errors():
             q, q, q, group=mesh(2, 2), seqlen=s),
         lambda: (ra.allgather_attention if dist.get_rank() == 0 else ra.ulysses_attention)(
             q, q, q, seqlen=s),
+        # flash-attn's dropout_p: 0 and 0.0 run; rank 2 alone asking for dropout: refused
+        # on every rank (a ValueError naming the value)
+        lambda: (ra.hybrid_attention(q, q, q, group=mesh(2, 2), seqlen=s, dropout_p=0),
+                 ra.hybrid_attention(q, q, q, group=mesh(2, 2), seqlen=s, dropout_p=0.0))
+        and None,
+        lambda: ra.hybrid_attention(q, q, q, group=mesh(2, 2), seqlen=s,
+                                    dropout_p=0.25 if dist.get_rank() == 2 else 0.0),
     ]
     out = []
     for call in calls:
@@ -151,13 +158,15 @@ def hybrid_errors():
 def test_hybrid_errors_on_every_rank(clusters):
     per_rank = clusters(4).run(hybrid_errors, timeout=100)
     assert all(r == per_rank[0] for r in per_rank), per_rank
-    (c0, m0), (c1, m1), (c2, m2), (c3, m3), (c4, m4), (c5, m5) = per_rank[0]
+    (c0, m0), (c1, m1), (c2, m2), (c3, m3), (c4, m4), (c5, m5), ok, (c7, m7) = per_rank[0]
     assert c0 == "TypeError" and "2-D DeviceMesh" in m0 and "NoneType" in m0, m0
     assert c1 == "ValueError" and "('ring', 'ulysses')" in m1 and "('dp', 'cp')" in m1, m1
     assert c2 == "ValueError" and "seqlen=16" in m2, m2
     assert c3 == "ValueError" and "causal" in m3 and "rank 3" in m3, m3
     assert c4 == "ValueError" and "disagree on strategy" in m4 and "'hybrid'" in m4, m4
     assert c5 == "ValueError" and "disagree on strategy" in m5 and "'allgather'" in m5, m5
+    assert ok == ("no error", "")
+    assert c7 == "ValueError" and "rank 2: dropout_p=0.25: ringattn computes exact" in m7, m7
 
 
 def largest_hybrid_tensor(seqlen):

@@ -33,10 +33,10 @@ from ..comm import LocalComm, all_gather_single, group_from_key, group_key, redu
 from ..layouts import DEFAULT_LAYOUT, local_positions
 from ..masks import Mask, mask_key
 from ..plan import Plan, kv_source
-from ..validate import (agreed, autocast_inputs, differentiable_once, heads_plan, no_autocast,
-                        op_call_args, op_tensors, optional_tensor, tag_result,
+from ..validate import (agreed, autocast_inputs, caller_error, differentiable_once, heads_plan,
+                        no_autocast, op_call_args, op_tensors, optional_tensor, tag_result,
                         unit_stride)
-from .ring import Ring, attention_backward, attention_forward
+from .ring import Ring, attention_backward, attention_forward, dropout_error
 
 __all__ = ["GatherGroup", "allgather_attention", "compiled_allgather_attention", "local_ring"]
 
@@ -149,6 +149,7 @@ def allgather_attention(
     v: torch.Tensor,
     *,
     group=None,
+    dropout_p: float = 0.0,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     softmax_scale: float | None = None,
@@ -177,8 +178,11 @@ def allgather_attention(
     Arguments, Returns, Raises: as ``ring_attention``, and
         heads_k_stride: kv heads gathered at a time (divides Hkv; None: all of them).
     """
+    refused = dropout_error(dropout_p)
     q, k, v = autocast_inputs(q, k, v)
     if torch.compiler.is_compiling():  # one opaque op pair: see the end of this file
+        if refused is not None:
+            raise refused
         return compiled_allgather_attention(
             q, k, v, group=group, causal=causal,
             window_size=window_size, softmax_scale=softmax_scale, layout=layout, seqlen=seqlen,
@@ -194,12 +198,13 @@ def allgather_attention(
                              f"{heads_k_stride!r}")
         return (n,)
 
-    pg, comm, checked, _ = agreed(
-        q, k, v, group, ("heads_k_stride",), stride_field, strategy="allgather", causal=causal,
-        window_size=window_size,
-        softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask,
-        cu_seqlens=cu_seqlens, kernel=kernel, return_lse=return_lse, softcap=softcap,
-        sinks=sinks, alibi_slopes=alibi_slopes)
+    with caller_error(refused):  # raised by the agreement, on every rank, before any send
+        pg, comm, checked, _ = agreed(
+            q, k, v, group, ("heads_k_stride",), stride_field, strategy="allgather",
+            causal=causal, window_size=window_size,
+            softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask,
+            cu_seqlens=cu_seqlens, kernel=kernel, return_lse=return_lse, softcap=softcap,
+            sinks=sinks, alibi_slopes=alibi_slopes)
     spec, lay = checked.spec, checked.layout
     hkv, stride = k.shape[2], checked.fields["heads_k_stride"]
     b, n, h, _ = q.shape

@@ -25,6 +25,7 @@ def hybrid_attention(
     v: torch.Tensor,
     *,
     group,
+    dropout_p: float = 0.0,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     softmax_scale: float | None = None,
@@ -62,7 +63,7 @@ def hybrid_attention(
     its own heads and queries; sum it over the mesh.
     """
     return split_heads_entry(
-        "hybrid", q, k, v, group=group, causal=causal, window_size=window_size,
+        "hybrid", q, k, v, group=group, dropout_p=dropout_p, causal=causal, window_size=window_size,
         softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask,
         cu_seqlens=cu_seqlens, kernel=kernel, return_lse=return_lse, softcap=softcap,
         sinks=sinks, alibi_slopes=alibi_slopes, backward_overlap=backward_overlap)

@@ -44,8 +44,8 @@ from ..masks import Mask, mask_key
 from ..merge import merge_, merge_weights
 from ..plan import Plan
 from ..spec import BACKWARD_OVERLAP, AttnSpec, accumulator_dtype
-from ..validate import (agreed, autocast_inputs, check_local, differentiable_once, no_autocast,
-                        op_call_args, optional_tensor, tag_result, unit_stride)
+from ..validate import (agreed, autocast_inputs, caller_error, check_local, differentiable_once,
+                        no_autocast, op_call_args, optional_tensor, tag_result, unit_stride)
 
 __all__ = ["BACKWARD_OVERLAP", "Ring", "RingAttention", "attention_backward",
            "attention_forward", "build_ring", "compiled_ring_attention", "ring_attention",
@@ -399,12 +399,24 @@ class RingAttention(torch.autograd.Function):
         return (*grads, None, None)
 
 
+def dropout_error(dropout_p) -> ValueError | None:
+    """The check of flash-attn's ``dropout_p``, which the attention functions take so that
+    a flash-attn call ports as it is: None for 0 (``0.0`` or ``0``), else the ValueError
+    naming the value, for ``caller_error``: the call's agreement raises it on every rank,
+    before any send (a rank that alone passes dropout never leaves the others waiting)."""
+    if isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool) and dropout_p == 0:
+        return None
+    return ValueError(f"dropout_p={dropout_p!r}: ringattn computes exact attention, without "
+                      f"dropout (dropout_p must be 0)")
+
+
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     *,
     group=None,
+    dropout_p: float = 0.0,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     softmax_scale: float | None = None,
@@ -443,6 +455,8 @@ def ring_attention(
             so q, k, v of mixed dtypes from a model under autocast work; the result is in
             that dtype. Outside autocast they must share a dtype.
         group: a ProcessGroup, a 1-D DeviceMesh, or None for the default group.
+        dropout_p: flash-attn's; must be 0 (``0.0`` or ``0``): the attention is exact,
+            without dropout (any other value: ValueError on every rank).
         causal: query i sees key j only if j <= i.
         window_size: (left, right), as in flash-attn: query i sees key j iff
             i - left <= j <= i + right; -1 is unbounded on that side.
@@ -505,8 +519,11 @@ def ring_attention(
             same error is raised on every rank, before any ring communication.
     """
     given_q = q
+    refused = dropout_error(dropout_p)
     q, k, v = autocast_inputs(q, k, v)
     if torch.compiler.is_compiling():  # opaque custom ops: see the end of this file
+        if refused is not None:
+            raise refused
         if kernel is not None and not isinstance(kernel, str):
             raise TypeError("under torch.compile, kernel must be a name or None")
         out, lse = compiled_ring_attention(
@@ -519,13 +536,14 @@ def ring_attention(
             backward_overlap=backward_overlap, softcap=float(softcap), sinks=sinks,
             alibi_slopes=alibi_slopes)
         return (out, lse) if return_lse else out
-    ring = build_ring(
-        q, k, v, group=group, causal=causal, window_size=window_size,
-        softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask,
-        cu_seqlens=cu_seqlens, return_lse=return_lse, kernel=kernel,
-        backward_overlap=backward_overlap, softcap=softcap, sinks=sinks,
-        alibi_slopes=alibi_slopes,
-    )
+    with caller_error(refused):  # raised by the agreement, on every rank, before any send
+        ring = build_ring(
+            q, k, v, group=group, causal=causal, window_size=window_size,
+            softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask,
+            cu_seqlens=cu_seqlens, return_lse=return_lse, kernel=kernel,
+            backward_overlap=backward_overlap, softcap=softcap, sinks=sinks,
+            alibi_slopes=alibi_slopes,
+        )
     q, k, v = unit_stride(q, k, v)
     with no_autocast(q.device.type):  # the kernels accumulate in fp32 themselves
         out, lse = RingAttention.apply(q, k, v, sinks, ring, bool(return_lse))

@@ -42,10 +42,10 @@ from ..layouts import DEFAULT_LAYOUT, Grouped, Layout, grouped
 from ..masks import Mask, head_offset, mask_key
 from ..plan import Plan
 from ..spec import AttnSpec, accumulator_dtype
-from ..validate import (Checked, agreed, autocast_inputs, check_local, differentiable_once,
-                        heads_plan, no_autocast, op_call_args, op_tensors, optional_tensor,
-                        tag_result, unit_stride)
-from .ring import Ring, RingAttention, attention_backward, attention_forward
+from ..validate import (Checked, agreed, autocast_inputs, caller_error, check_local,
+                        differentiable_once, heads_plan, no_autocast, op_call_args, op_tensors,
+                        optional_tensor, tag_result, unit_stride)
+from .ring import Ring, RingAttention, attention_backward, attention_forward, dropout_error
 
 __all__ = ["Exchange", "HeadSplit", "Topology", "compiled_heads_attention", "head_split",
            "heads_to_seq", "seq_to_heads", "split_heads_attention", "split_heads_entry",
@@ -207,6 +207,7 @@ def ulysses_attention(
     v: torch.Tensor,
     *,
     group=None,
+    dropout_p: float = 0.0,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     softmax_scale: float | None = None,
@@ -238,7 +239,7 @@ def ulysses_attention(
     overlapped). sinks' gradient on each rank covers its own heads; sum it over the group.
     """
     return split_heads_entry(
-        "ulysses", q, k, v, group=group, causal=causal, window_size=window_size,
+        "ulysses", q, k, v, group=group, dropout_p=dropout_p, causal=causal, window_size=window_size,
         softmax_scale=softmax_scale, layout=layout, seqlen=seqlen, mask=mask,
         cu_seqlens=cu_seqlens, kernel=kernel, return_lse=return_lse, softcap=softcap,
         sinks=sinks, alibi_slopes=alibi_slopes, backward_overlap="all")
@@ -246,12 +247,17 @@ def ulysses_attention(
 
 
 
-def split_heads_entry(strategy: str, q, k, v, **kwargs):
+def split_heads_entry(strategy: str, q, k, v, *, dropout_p=0.0, **kwargs):
     """``ulysses_attention`` and ``hybrid_attention``: under torch.compile their custom op
-    pair (end of this file), else ``split_heads_attention``."""
+    pair (end of this file), else ``split_heads_attention``; ``dropout_p`` other than 0
+    refused (``dropout_error``)."""
+    refused = dropout_error(dropout_p)
     if torch.compiler.is_compiling():
+        if refused is not None:
+            raise refused
         return compiled_heads_attention(strategy, *autocast_inputs(q, k, v), **kwargs)
-    result = split_heads_attention(q, k, v, strategy=strategy, **kwargs)
+    with caller_error(refused):  # raised by the agreement, on every rank, before any send
+        result = split_heads_attention(q, k, v, strategy=strategy, **kwargs)
     if kwargs.get("return_lse"):
         return tag_result(q, *result, True)
     return tag_result(q, result, None, False)
