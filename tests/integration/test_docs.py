@@ -661,3 +661,57 @@ def test_docs_index_and_cross_references():
             if not (ROOT / path).exists() and path not in FOREIGN_PATHS:
                 broken.append(f"{page.name}: path {path}")
     assert not broken, broken
+
+
+NUMBER_WORDS = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7,
+                "eight": 8, "nine": 9, "ten": 10}
+
+
+def _count(text: str, pattern: str) -> tuple:
+    """The groups of ``pattern``'s one match in ``text`` (whitespace-normalised), counts as
+    ints (digits or a small number word)."""
+    found = re.findall(pattern, " ".join(text.split()))
+    assert len(found) == 1, (pattern, found)
+    groups = found[0] if isinstance(found[0], tuple) else (found[0],)
+    return tuple(NUMBER_WORDS.get(g, int(g) if g.isdigit() else g) for g in groups)
+
+
+def test_family_counts_in_the_pages_are_the_tables():
+    """The README said 25 families have mixers ``convert`` serves, docs/models.md 29 (the
+    code's ``CONVERTIBLE``): every count of families the pages state is the one of the
+    table it counts. The code's: ``CONVERTIBLE`` (README, docs/models.md, whose hybrids row
+    names every one of them), the DSA indexer families ``families/indexer.py`` registers;
+    the tests': the survey's (test_families.EXPECTED) and the hybrid test's configs
+    (test_hybrid_families.CONVERTED, over the families of docs/mixers.md's table)."""
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "integration")]
+    import test_families
+    import test_hybrid_families
+
+    from ringattn.integrations import transformers as ra_hf
+    from ringattn.integrations.transformers.families import indexer
+
+    convertible = len(ra_hf.CONVERTIBLE)
+    readme, models, mixers = (p.read_text() for p in (README, DOCS / "models.md",
+                                                       DOCS / "mixers.md"))
+    assert _count(readme, r"\.\.\. (\d+) families: `ringattn\.mixers` across ranks") == (
+        convertible,)
+    assert _count(models, r"among them the (\d+) hybrid families `convert_mixers` serves") == (
+        convertible,)
+    row = next(line for line in models.splitlines() if line.startswith("| hybrids ("))
+    named = set(re.findall(r"[a-z0-9_]+", row.split(": `ra_hf.CONVERTIBLE`")[0]))
+    assert ra_hf.CONVERTIBLE <= named, sorted(ra_hf.CONVERTIBLE - named)
+    word, names = _count(models, r"the (\w+) DeepSeek-sparse-attention families `convert` "
+                                 r"serves \(([^)]*)\)")
+    assert word == len(indexer.FAMILIES) and names.split(", ") == list(indexer.FAMILIES)
+    outcomes = [v["plain"] if isinstance(v, dict) else v for v in test_families.EXPECTED.values()]
+    assert _count(models, r"Tested on (\d+) families \(tests/integration/test_families\.py\): "
+                          r"(\d+) exact,") == (len(outcomes), outcomes.count("exact"))
+    assert _count(models, r"(\d+) refused \(deepseek_v4") == (outcomes.count("refused"),)
+    table = set()
+    for line in mixers.splitlines():
+        first = line.split("|")[1].strip() if line.startswith("| `") else ""
+        if re.fullmatch(r"`[a-z0-9_]+`(, `[a-z0-9_]+`)*", first):  # a row of families
+            table |= set(re.findall(r"`([a-z0-9_]+)`", first))
+    assert table <= ra_hf.CONVERTIBLE, sorted(table - ra_hf.CONVERTIBLE)
+    configs, families = _count(mixers, r"(\d+) configs \(the (\d+) families above")
+    assert (configs, families) == (len(test_hybrid_families.CONVERTED), len(table))
