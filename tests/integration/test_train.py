@@ -31,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -353,3 +354,92 @@ def test_train_converts_a_hybrid_model(tmp_path):
     assert len(got) == len(want) == 2
     for a, b in zip(got, want):
         assert abs(a - b) <= TOL * abs(b), (got, want)
+
+
+def _rank_pids(launcher: int) -> list[int]:
+    """The ranks ``torch.multiprocessing.spawn`` started from ``launcher`` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == launcher and b"spawn_main" in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_ranks_die_with_their_launcher(tmp_path, how):
+    """Killing ``python -m ringattn.apps.train --world 2`` while its ranks train ends the
+    ranks within seconds. They once ran on: torch asks for SIGINT at the launcher's death,
+    which a launcher started in the background (a shell starts it with SIGINT ignored, as
+    here) passes on ignored, and which cannot interrupt a rank waiting in a collective."""
+    import signal
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    launcher = subprocess.Popen(
+        [sys.executable, *TRAIN, "--world", "2", "--steps", "100000", "--seqlen", "8",
+         "--log-every", "1", "--out", "out"], cwd=tmp_path, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    ranks = []
+    try:
+        for line in launcher.stdout:  # rank 0 logs each step: both ranks are training
+            if "step 1/" in line:
+                break
+        ranks = _rank_pids(launcher.pid)
+        assert len(ranks) == 2, ranks
+        launcher.send_signal(getattr(signal, how))
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(map(_alive, ranks)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(map(_alive, ranks)), f"ranks {ranks} outlived their launcher ({how})"
+    finally:
+        for pid in [launcher.pid, *ranks]:  # what this test started, should it fail
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        launcher.stdout.close()
+        launcher.wait()
+
+
+@pytest.mark.timeout(400)
+def test_train_builds_and_converts_falcon_and_gpt_neo(tmp_path):
+    """``ringattn train --model`` a Falcon or a GPT-Neo config trains under ring attention
+    (their constructors take no registered attention name: the program builds them "eager"
+    and ``ra_hf.convert`` puts ring attention in their modules): the losses equal one
+    process's. Both were refused with advice to call ``convert``, a Python function."""
+    from families import FAMILIES
+
+    argv = ["--steps", "2", "--seqlen", "37", "--batch", "2", "--no-progress"]
+    runs = {}
+    for name in ("falcon", "gpt_neo"):
+        config, _ = FAMILIES[name]()
+        config.save_pretrained(tmp_path / name)
+        runs[name] = _Launch([sys.executable, "-m", "ringattn.apps.cli", "train", "--world", "2",
+                              "--model", str(tmp_path / name), *argv, "--out", f"cp_{name}"],
+                             tmp_path)
+    for name, run in runs.items():
+        assert cli.main(["train", "--model", str(tmp_path / name), *argv, "--attn", "eager",
+                         "--out", str(tmp_path / f"ref_{name}")]) == 0
+        failure = run.failure()
+        assert failure is None, (name, failure)
+        got = json.loads((tmp_path / f"cp_{name}" / "train.json").read_text())["loss"]
+        want = json.loads((tmp_path / f"ref_{name}" / "train.json").read_text())["loss"]
+        assert len(got) == len(want) == 2
+        for a, b in zip(got, want):
+            assert abs(a - b) <= TOL * abs(b), (name, got, want)

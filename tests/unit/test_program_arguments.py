@@ -116,6 +116,44 @@ def test_number_helper():
         Number(int, 1)("1.5")
 
 
+# --------------------------------------------------------------------------- --world
+
+WORLD_ARGV = [("cli", ["demo"], "ringattn demo"), ("cli", ["demo", "--target", "lm"], "ringattn demo"),
+              ("cli", ["train"], "ringattn train"), ("train", [], "python -m ringattn.apps.train"),
+              ("eagle3_train", [], "python -m ringattn.apps.eagle3_train")]
+"""Every program with --world (it spawns that many ranks here)."""
+
+
+@pytest.mark.parametrize("program,argv,prog", WORLD_ARGV, ids=[" ".join(c[1]) or c[0]
+                                                                for c in WORLD_ARGV])
+def test_a_world_beyond_the_machine_is_refused_before_spawning(no_ranks, capsys, program,
+                                                                argv, prog):
+    """``--world 1000`` on 2 cores once started spawning 1000 ranks: refused in argparse,
+    naming the value and the limit (the machine's cores, at least 8)."""
+    from ringattn.apps import WORLD_FLOOR, cores, world_limit
+
+    limit = world_limit()
+    assert limit == max(WORLD_FLOOR, cores()) >= 8
+    line = _one_line_exit(capsys, _main(program), [*argv, "--world", str(limit + 1)])
+    assert line == (f"{prog}: argument --world: must be at most {limit} on this machine "
+                    f"(spawned ranks share its {cores()} cores: at most max(cores, 8) of them), "
+                    f"got {limit + 1} (--help lists the options)")
+
+
+def test_the_world_limit_itself_is_accepted_and_spawn_refuses_beyond_it(no_ranks):
+    """The limit parses (one step below the refusal); ``spawn`` from Python refuses one rank
+    more with the same words, before starting any."""
+    from ringattn.apps import World, cli, world_limit
+    from ringattn.apps.train import TrainConfig, spawn
+
+    limit = world_limit()
+    assert World()(str(limit)) == limit
+    assert cli._parser().parse_args(["demo", "--world", str(limit)]).world == limit
+    with pytest.raises(ValueError, match=f"world must be at most {limit} on this machine.*"
+                                         f"got {limit + 1}"):
+        spawn(TrainConfig(steps=1), world=limit + 1)
+
+
 # --------------------------------------------------------------------------- the demo's S
 
 
@@ -210,6 +248,27 @@ def test_train_converts_a_router_loss_before_the_ranks_start(tmp_path):
                   num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
                   output_router_logits=True).save_pretrained(tmp_path / "moe")
     assert check_cp_model(AutoConfig.from_pretrained(tmp_path / "moe")) is None
+
+
+@pytest.mark.parametrize("family", ["falcon", "gpt_neo"])
+def test_train_builds_falcon_and_gpt_neo_eager_and_converts_them(tmp_path, family):
+    """Falcon and GPT-Neo were refused before the ranks started, with advice to call
+    ``ra_hf.convert`` (a Python function) that a command-line user cannot follow: the
+    program builds them "eager" and converts them itself (tests/integration/test_train.py
+    trains both against one process)."""
+    from families import FAMILIES
+
+    from ringattn.apps.train import TrainConfig, build_model
+    from ringattn.integrations import transformers as ra_hf
+
+    config, _ = FAMILIES[family]()
+    config.save_pretrained(tmp_path / family)
+    cfg = TrainConfig(model=str(tmp_path / family), steps=1)
+    cfg.check_world(2)
+    model = build_model(cfg, ra_hf.NAME)
+    assert ra_hf.converted(model) and model.config._attn_implementation == ra_hf.NAME
+    ra_hf.check_attention(model)
+    assert build_model(cfg, "eager").config._attn_implementation == "eager"
 
 
 # --------------------------------------------------------------------------- Eagle3 resume

@@ -192,6 +192,63 @@ def test_train_and_target_argument_errors_are_one_line(no_ranks, capsys):
                     "local transformers model directory (no config.json)")
 
 
+MODEL_PATH_ARGV = {
+    "ringattn demo": None,  # builds its own tiny models: no model path
+    "ringattn train": ("cli", ["train", "--model", "{path}"], "ringattn train: model={path!r} "
+                       "does not exist (a model directory, or a config.json)"),
+    "python -m ringattn.apps.train": ("train", ["--model", "{path}"],
+                                      "ringattn train: model={path!r} does not exist (a model "
+                                      "directory, or a config.json)"),
+    "python -m ringattn.apps.eagle3_train": (
+        "eagle3_train", ["--target", "{path}"], "python -m ringattn.apps.eagle3_train: target "
+        "{path!r} is not a local transformers model directory (no config.json)"),
+    "python -m ringattn.apps.eagle3_target": (
+        "eagle3_target", ["--target", "{path}", "--data", "d", "--out", "o"],
+        "python -m ringattn.apps.eagle3_target: --target {path!r} is not a local transformers "
+        "model directory (no config.json)"),
+    # its model paths are in its run config, read by SpecForge: the config itself is checked
+    "python -m ringattn.apps.specforge_train": (
+        "specforge_train", ["train", "-c", "{path}"], "python -m ringattn.apps.specforge_train: "
+        "-c {path!r} is not a file (SpecForge's run config)"),
+    "python -m ringattn.apps.modelopt_train": (
+        "modelopt_train", ["--config", "general/speculative_decoding/eagle3",
+                           "model.model_name_or_path={path}", "data.data_path=chats.jsonl"],
+        "python -m ringattn.apps.modelopt_train: general/speculative_decoding/eagle3: "
+        "model.model_name_or_path {path!r} is not a local transformers model directory (no "
+        "config.json)"),
+}
+"""Per program: (its module under ringattn.apps, its arguments with a model path, the line
+it must print for a missing one), or None for a program that reads no model path."""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("path", ["/nowhere/model", "meta-llama/Llama-3.2-1B-Instruct"])
+def test_every_program_refuses_a_model_path_that_is_not_local_in_one_line(no_ranks, capsys,
+                                                                           path):
+    """A missing model path, and a hub name (the programs read models from disk only): one
+    line naming the path, status 2, before any rank starts, from every program that reads
+    one (``modelopt_train`` once ended in transformers' traceback). The hub name's line also
+    says how to download it."""
+    import importlib
+    import importlib.util
+
+    assert set(MODEL_PATH_ARGV) == {command for command, _ in PROGRAMS}
+    hub = path.count("/") == 1
+    for command, case in MODEL_PATH_ARGV.items():
+        if case is None:
+            continue
+        module, argv, want = case
+        if module == "modelopt_train" and importlib.util.find_spec("modelopt") is None:
+            continue  # needs ringattn[modelopt]; it says so in one line (tested elsewhere)
+        main = importlib.import_module(f"ringattn.apps.{module}").main
+        capsys.readouterr()
+        line = _one_line_exit(capsys, main, [a.format(path=path) for a in argv])
+        assert line.startswith(want.format(path=path)), (command, line)
+        if hub and module != "specforge_train":
+            assert line.endswith(f"download it first (hf download {path} --local-dir DIR) "
+                                 f"and pass DIR"), (command, line)
+
+
 @pytest.mark.parametrize("missing", ["transformers", "tqdm"])
 def test_eagle3_target_names_a_missing_extra(monkeypatch, capsys, missing):
     """Without transformers or tqdm: the one line the other programs give, not a raw

@@ -6,7 +6,14 @@
 * ``eagle3_train``: Eagle3 draft training, DP x CP (``python -m ringattn.apps.eagle3_train``);
 * ``eagle3_demo``: the Eagle3 demo that ``make demo`` runs (``ringattn demo``);
 * ``eagle3_target``: store a target's outputs for offline Eagle3 training
-  (``python -m ringattn.apps.eagle3_target``).
+  (``python -m ringattn.apps.eagle3_target``);
+* ``specforge_train``, ``modelopt_train``: SpecForge's and ModelOpt's Eagle3 trainers under
+  ringattn's context parallelism.
+
+What they share: ``require_extra`` (a missing package, one line), ``Number`` (every numeric
+option), ``check_model_dir`` (a model path that is not a local model directory, one line),
+``check_world`` (more ranks than the machine runs, one line), ``Parser`` (usage errors, one
+line): each exits with status 2 before any rank starts.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
 import sys
 
 EXTRAS = {"demo": ("transformers", "accelerate", "tqdm", "matplotlib"),
@@ -42,6 +50,35 @@ def require_extra(extra: str, program: str, packages: tuple[str, ...] | None = N
         print(f"{program} needs {', '.join(missing)}: pip install 'ringattn[{extra}]'",
               file=sys.stderr)
         raise SystemExit(2)
+
+
+def hub_hint(path) -> str:
+    """What to add to a refusal of a model ``path`` that does not exist here but reads as a
+    hub name ("org/name"): the programs read models from disk only (``local_files_only``;
+    a rank must not download), so say how to get one there; "" for any other path."""
+    if (isinstance(path, str) and not os.path.exists(path) and path.count("/") == 1
+            and not path.startswith((".", "~")) and all(path.split("/"))):
+        return (f"; the programs read no hub names: download it first (hf download {path} "
+                f"--local-dir DIR) and pass DIR")
+    return ""
+
+
+def check_model_dir(path, what: str) -> None:
+    """Refuse, before any rank starts, a model path that is not a local transformers model
+    directory (one holding a ``config.json``): a missing path or a hub name ("org/name")
+    otherwise ends in a traceback from transformers on every rank.
+
+    Arguments:
+        path: the path as the user gave it.
+        what: how the user gave it, for the message ("--target", "model.model_name_or_path").
+
+    Raises:
+        ValueError: ``{what} {path!r} is not a local transformers model directory (no
+            config.json)``, and for a hub name how to download it.
+    """
+    if not (isinstance(path, str) and os.path.isfile(os.path.join(path, "config.json"))):
+        raise ValueError(f"{what} {path!r} is not a local transformers model directory "
+                         f"(no config.json){hub_hint(path)}")
 
 
 class Number:
@@ -93,6 +130,48 @@ class Number:
         if problem is not None:
             raise argparse.ArgumentTypeError(problem)
         return value
+
+
+WORLD_FLOOR = 8
+"""The most ranks a program spawns on any machine, whatever its core count, is at least
+this: ranks beyond the cores share them (slower, still exact), and a small machine still
+runs the world sizes the tests use (3, 5, 6 and 8 on 2 cores)."""
+
+
+def cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def world_limit() -> int:
+    """The most ranks a program spawns on this machine: its cores, at least ``WORLD_FLOOR``
+    (``ringattn demo --world 1000`` once started spawning 1000 ranks on 2 cores). Under
+    torchrun the launcher decides, not this."""
+    return max(WORLD_FLOOR, cores())
+
+
+def world_problem(world) -> str | None:
+    """Why ``world`` ranks cannot be spawned here (``must be at most 8 on this machine
+    (...), got 1000``), or None."""
+    limit = world_limit()
+    if isinstance(world, int) and world > limit:
+        return (f"must be at most {limit} on this machine (spawned ranks share its {cores()} "
+                f"cores: at most max(cores, {WORLD_FLOOR}) of them), got {world}")
+    return None
+
+
+class World(Number):
+    """The ``--world`` of a program that spawns its ranks: ``Number(int, 1)`` that also
+    refuses more ranks than ``world_limit()``, naming the value and the limit."""
+
+    def __init__(self):
+        super().__init__(int, 1)
+
+    def problem(self, value) -> str | None:
+        return super().problem(value) or world_problem(value)
 
 
 def number_error(parser: argparse.ArgumentParser, option: str, number: Number, value,

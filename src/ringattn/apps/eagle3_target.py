@@ -7,7 +7,7 @@ import os
 import sys
 
 from ..eagle3.target import _DTYPES, load_target, precompute
-from . import Number, Parser, require_extra
+from . import Number, Parser, check_model_dir, require_extra
 
 PROG = "python -m ringattn.apps.eagle3_target"
 
@@ -34,9 +34,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     require_extra("demo", PROG, packages=("transformers", "tqdm"))
     try:
-        if not os.path.isfile(os.path.join(args.target, "config.json")):
-            raise ValueError(f"--target {args.target!r} is not a local transformers model "
-                             f"directory (no config.json)")
+        check_model_dir(args.target, "--target")
         if not os.path.isfile(args.data):
             raise ValueError(f"--data {args.data!r} is not a file")
         from transformers import AutoTokenizer

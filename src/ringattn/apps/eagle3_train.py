@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ..comm import metadata_device, resolve_group
 from ..integrations import transformers as ra_hf
 from ..layouts import LAYOUTS, local_positions
-from . import Number, Parser, number_error, require_extra
+from . import Number, Parser, World, check_model_dir, number_error, require_extra
 from .train import leave_together, peak_rss_mib, plot_curves, spawn
 from ..eagle3.draft import (Eagle3Draft, aux_layer_ids, draft_vocabulary, eagle3_step, run_target,
                     shard_target_outputs)
@@ -307,9 +307,8 @@ def check_inputs(cfg: Eagle3Config, resume: str | None = None) -> None:
     Raises:
         ValueError: naming the path and what is wrong with it.
     """
-    if cfg.target is not None and not os.path.isfile(os.path.join(cfg.target, "config.json")):
-        raise ValueError(f"target {cfg.target!r} is not a local transformers model directory "
-                         f"(no config.json)")
+    if cfg.target is not None:
+        check_model_dir(cfg.target, "target")
     if cfg.data is not None:
         from ..eagle3.data import load_conversations
 
@@ -808,8 +807,9 @@ def main(argv=None) -> int:
     """
     parser = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     d = Eagle3Config
-    parser.add_argument("--world", type=Number(int, 1), default=2,
-                        help="ranks to spawn (ignored under torchrun; default 2)")
+    parser.add_argument("--world", type=World(), default=2,
+                        help="ranks to spawn (ignored under torchrun; default 2; at most this "
+                        "machine's cores, or 8 if it has fewer)")
     parser.add_argument("--dp", type=Number(int, 1), default=1,
                         help="data-parallel replicas; cp = world / dp (default 1)")
     parser.add_argument("--target", default=None,

@@ -3,9 +3,10 @@ Eagle3 training recipe (the YAML its ``examples/speculative_decoding/main.py`` r
 ringattn's context parallelism (``ringattn.integrations.modelopt``; docs/modelopt.md). Run one
 process per rank:
 
+    hf download meta-llama/Llama-3.2-1B-Instruct --local-dir models/llama-3.2-1b
     torchrun --nproc-per-node 8 -m ringattn.apps.modelopt_train \\
         --config general/speculative_decoding/eagle3 \\
-        model.model_name_or_path=meta-llama/Llama-3.2-1B-Instruct \\
+        model.model_name_or_path=models/llama-3.2-1b \\
         training.output_dir=ckpts/llama-eagle3 training.cp_size=8
 
 The recipe is ModelOpt's own (``modelopt.recipe.load_recipe``: a built-in name or a file,
@@ -19,7 +20,9 @@ dumps). Checkpoints are ModelOpt's; the run resumes from the last one in
 ``training.output_dir``. ``--export DIR`` also writes the trained draft for vLLM
 (``ra_mo.export_draft``, speculators format).
 
-Refused with one line (exit status 2), before training: a recipe that is not Eagle,
+Refused with one line (exit status 2), before training: a ``model.model_name_or_path``
+that is not a local model directory (a hub name: download it first, as above; every
+program reads models from disk), a recipe that is not Eagle,
 streaming or VLM data, ``use_fake_base_for_offline``, ``training.dp_shard_size`` other than
 the data-parallel size (FSDP sharding is not done here: the replicas are DDP),
 ``training.estimate_ar`` or ``ar_validate_steps > 0`` (ModelOpt's AR validation runs on
@@ -32,7 +35,7 @@ import glob
 import os
 import sys
 
-from . import Parser, require_extra
+from . import Parser, check_model_dir, require_extra
 
 PROG = "python -m ringattn.apps.modelopt_train"
 SPEC_FIELDS = ("training_seq_len", "estimate_ar", "ar_validate_steps", "answer_only_loss",
@@ -80,6 +83,10 @@ def load(config: str, overrides: list[str], world: int):
         raise RecipeError(f"{config} is a {type(recipe).__name__}; this program trains Eagle "
                           f"recipes (metadata.recipe_type: speculative_eagle)")
     data, training, model = recipe.data, recipe.training, recipe.model
+    try:  # transformers would read a missing path or a hub name on every rank: a traceback
+        check_model_dir(model.model_name_or_path, "model.model_name_or_path")
+    except ValueError as exc:
+        raise RecipeError(f"{config}: {exc}") from None
     cp = training.cp_size
     if cp < 1 or world % cp:
         raise RecipeError(f"training.cp_size={cp} must divide the world size {world}")

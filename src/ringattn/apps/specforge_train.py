@@ -5,6 +5,7 @@ Eagle3 trainer (offline features, colocated) with ringattn as its context-parall
 
 from __future__ import annotations
 
+import os
 import sys
 
 from . import Number, Parser
@@ -38,14 +39,16 @@ def main(argv=None) -> int:
         with status 2 and one line).
     """
     args = parser().parse_args(argv)
+    if not os.path.isfile(args.config):  # before SpecForge: its paths are in this file
+        print(f"{PROG}: -c {args.config!r} is not a file (SpecForge's run config)",
+              file=sys.stderr)
+        raise SystemExit(2)
     try:
         import specforge.config  # noqa: F401
     except ImportError:
         print(f"{PROG} needs SpecForge (make test-specforge installs it into .venv-specforge; "
               "see docs/specforge.md)", file=sys.stderr)
         raise SystemExit(2) from None
-    import os
-
     from specforge.distributed import destroy_distributed
 
     from ..integrations.specforge import build

@@ -54,7 +54,7 @@ from ..batch import all_reduce_metrics
 from ..comm import resolve_group
 from ..integrations import transformers as ra_hf
 from ..layouts import LAYOUTS
-from . import Number, Parser, require_extra
+from . import Number, Parser, World, hub_hint, require_extra, world_problem
 
 __all__ = [
     "TrainConfig", "model_source", "build_model", "make_batches", "read_checkpoint", "train",
@@ -285,11 +285,23 @@ def attention_dropout(config) -> tuple[str, float] | None:
     return None
 
 
+def build_attention(config, attn_implementation: str) -> str:
+    """The attention implementation ``build_model`` builds ``config``'s model with: "eager"
+    for ring attention of a family whose constructor cannot take a registered name (Falcon,
+    GPT-Neo: ``ra_hf.BUILT_EAGER``), which ``ra_hf.convert`` then switches to ring
+    attention; ``attn_implementation`` otherwise."""
+    if (attn_implementation == ra_hf.NAME
+            and getattr(config, "model_type", None) in ra_hf.BUILT_EAGER):
+        return "eager"
+    return attn_implementation
+
+
 def check_cp_model(config) -> None:
     """Refuse, before any rank starts, a causal-LM config that ring attention cannot train
     under ``RingTrainer``: what ``integrations.transformers.check_model`` refuses of its
     class, an attention dropout (the attention call refuses it on every rank), and what
-    ``RingTrainer`` refuses of the model built from it (on the meta device: no weights).
+    ``RingTrainer`` refuses of the model built from it (on the meta device: no weights) and
+    converted, as ``build_model`` builds and converts it.
 
     Raises:
         ValueError: naming the config field to change, or what the class cannot do.
@@ -298,8 +310,9 @@ def check_cp_model(config) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    attn = build_attention(config, ra_hf.NAME)
     built = copy.deepcopy(config)
-    built._attn_implementation = ra_hf.NAME  # how build_model builds it
+    built._attn_implementation = attn  # how build_model builds it
     ra_hf.check_model(cls, built)
     dropout = attention_dropout(config)
     if dropout is not None:
@@ -310,11 +323,13 @@ def check_cp_model(config) -> None:
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(copy.deepcopy(config),
-                                                     attn_implementation=ra_hf.NAME)
+                                                     attn_implementation=attn)
     except Exception:  # noqa: BLE001 - a class that cannot be built on meta: the ranks say
         return
-    ra_hf.check_attention(model)
+    if attn == ra_hf.NAME:  # (built "eager": convert puts ring attention in)
+        ra_hf.check_attention(model)
     ra_hf.convert(model)  # as build_model does: refuses what it cannot make exact
+    ra_hf.check_attention(model)
     ra_hf.check_model(model)
 
 
@@ -335,7 +350,8 @@ def model_source(cfg: TrainConfig):
 
     path = cfg.model
     if not isinstance(path, str) or not os.path.exists(path):
-        raise ValueError(f"model={path!r} does not exist (a model directory, or a config.json)")
+        raise ValueError(f"model={path!r} does not exist (a model directory, or a config.json)"
+                         f"{hub_hint(path)}")
     weights = False
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
@@ -373,8 +389,9 @@ def build_model(cfg: TrainConfig, attn_implementation: str):
 
     Returns:
         The model in float32, in training mode, ``convert``-ed under ring attention (a
-        hybrid's sequence mixers and an MoE router loss run across ranks). The global RNG
-        is left untouched.
+        hybrid's sequence mixers and an MoE router loss run across ranks; Falcon and
+        GPT-Neo, built "eager", get their ring attention from it: ``build_attention``).
+        The global RNG is left untouched.
 
     Raises:
         ValueError: an unknown attn_implementation; a ``cfg.model`` ``model_source`` refuses.
@@ -402,7 +419,8 @@ def build_model(cfg: TrainConfig, attn_implementation: str):
             model = LlamaForCausalLM(config)
         else:
             config, weights = model_source(cfg)
-            kw = dict(attn_implementation=attn_implementation, dtype=torch.float32)
+            kw = dict(attn_implementation=build_attention(config, attn_implementation),
+                      dtype=torch.float32)
             model = (AutoModelForCausalLM.from_pretrained(cfg.model, local_files_only=True, **kw)
                      if weights else AutoModelForCausalLM.from_config(config, **kw))
     if attn_implementation == ra_hf.NAME:  # a hybrid's mixers, a router loss: made global
@@ -900,9 +918,48 @@ def leave_together() -> None:
     dist.barrier()  # once, at teardown: not in any attention call's path
 
 
+PR_SET_PDEATHSIG = 1
+"""Linux prctl(2) option: the signal this process gets when the thread that started it ends."""
+
+
+def die_with_launcher() -> None:
+    """End this spawned rank as soon as the process that spawned it ends, however it ends.
+
+    torch.multiprocessing asks Linux for SIGINT on the parent's death, which a rank ignores
+    when the launcher was started in the background (a shell starts background jobs with
+    SIGINT ignored, and Python then installs no handler), and which only interrupts Python
+    code, not a rank waiting in a collective: killing the launcher left its ranks running.
+    Here: SIGKILL on the parent's death (Linux; then a parent already gone ends the rank at
+    once), elsewhere a daemon thread that polls the parent pid every second.
+    """
+    import multiprocessing
+    import signal
+    import threading
+
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+            if os.getppid() != parent.pid:  # the launcher died before prctl
+                os._exit(1)
+            return
+
+    def watch() -> None:
+        while os.getppid() == parent.pid:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="ringattn-launcher-watch", daemon=True).start()
+
+
 def _spawned_rank(rank: int, cfg, world: int, init_file: str, result_path: str,
                   progress: bool, out_dir: str | None, fn) -> None:
     """One rank started by ``spawn`` (the target of ``torch.multiprocessing.spawn``)."""
+    die_with_launcher()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=300))
@@ -923,7 +980,9 @@ def spawn(cfg, *, world: int, progress: bool = True, out_dir: str | None = None,
     Arguments:
         cfg: the configuration of ``fn``, with a ``check_world(world)`` method that
             raises ValueError for a world it cannot run on (called before any rank starts).
-        world: number of ranks W (each gets cpu_count // W threads, at least 1).
+        world: number of ranks W (each gets cpu_count // W threads, at least 1), at most
+            ``apps.world_limit()``: this machine's cores, or 8 if it has fewer. The ranks
+            end with the process that spawned them (``die_with_launcher``).
         progress, out_dir: as for ``train``.
         fn: the importable training function every rank calls as
             ``fn(cfg, group=WORLD, progress=..., out_dir=...)``; default ``train``.
@@ -932,11 +991,15 @@ def spawn(cfg, *, world: int, progress: bool = True, out_dir: str | None = None,
         rank 0's result of ``fn``.
 
     Raises:
-        ValueError: a world the configuration cannot run on (``cfg.check_world``).
+        ValueError: more ranks than this machine runs; a world the configuration cannot run
+            on (``cfg.check_world``).
         torch.multiprocessing.ProcessRaisedException: when a rank fails.
     """
     if not _is_int(world, 1):
         raise ValueError(f"world must be an int >= 1, got {world!r}")
+    problem = world_problem(world)
+    if problem is not None:
+        raise ValueError(f"world {problem}")
     cfg.check_world(world)
     with tempfile.TemporaryDirectory(prefix="ringattn-train-") as tmp:
         init_file, result_path = os.path.join(tmp, "store"), os.path.join(tmp, "result.json")
@@ -949,8 +1012,9 @@ def spawn(cfg, *, world: int, progress: bool = True, out_dir: str | None = None,
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the training options (the fields of ``TrainConfig``, W and the output) to a parser."""
     d = TrainConfig()
-    parser.add_argument("--world", type=Number(int, 1), default=2,
-                        help="ranks to spawn when not under torchrun (default 2)")
+    parser.add_argument("--world", type=World(), default=2,
+                        help="ranks to spawn when not under torchrun (default 2; at most this "
+                        "machine's cores, or 8 if it has fewer)")
     parser.add_argument("--attn", choices=[ra_hf.NAME, *SINGLE_ATTN], default=ra_hf.NAME,
                         help="ringattn: context parallel over the ranks; sdpa/eager: one "
                         "process, no CP (default ringattn)")
