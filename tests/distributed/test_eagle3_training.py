@@ -477,3 +477,65 @@ def test_fsdp2_sharded_target_trains_like_one_process(clusters):
     for rank, got in enumerate(clusters(2).run(run_sharded_target, cfg, timeout=200)):
         for step, (a, b) in enumerate(zip(got, one, strict=True)):
             assert abs(a - b) <= FP32_TOL * abs(b), (rank, step, a, b)
+
+
+TILED_TOL = 1e-6
+"""The teacher in tiles against the teacher from the whole logits, fp32: the same sums in
+another order (tiles, then steps), so within a few float32 roundings."""
+
+
+def run_tiled_vs_logits(layout, kind, tile):
+    """Rank side: the step with the teacher in tiles (the target's final hidden states and
+    head; ``run_target``'s default) against the step with the target's logits, on the same
+    batch and the same draft: {name: relative difference} of this rank's loss share, every
+    step's loss and accuracy, and every gradient of this rank's share; and whether the
+    tiled outputs hold no logits."""
+    cfg = small_config(seqlen=sum(DOCS) if kind == "packed" else 61, layout=layout,
+                       pad=9 if kind == "padded" else 0)
+    cp_target, _, draft, draft_tiled = _models(cfg)
+    batch = _packed_batch(cfg)[0] if kind == "packed" else next(make_batches(cfg))
+    group = dist.group.WORLD if dist.get_world_size() > 1 else None
+    kw = dict(group=group, layout=layout) if group is not None else {}
+    target = cp_target if group is not None else _models(cfg)[1]
+    logits = run_target(target, batch, teacher="logits", **kw)
+    tiled = run_target(target, batch, **kw)
+    a = eagle3_step(draft, logits, steps=cfg.ttt_steps)
+    b = eagle3_step(draft_tiled, tiled, steps=cfg.ttt_steps, tile=tile)
+    a.loss.backward()
+    b.loss.backward()
+    errs = {"loss": rel_err(b.loss.detach().double(), a.loss.detach().double())}
+    for j in range(cfg.ttt_steps):
+        errs[f"loss step {j}"] = abs(b.losses[j] - a.losses[j]) / abs(a.losses[j])
+        errs[f"accuracy step {j}"] = abs(b.accuracies[j] - a.accuracies[j])
+        errs[f"counted step {j}"] = float((b.sums[2, j] - a.sums[2, j]).abs())
+    for (n, p), (_, q) in zip(draft.named_parameters(), draft_tiled.named_parameters()):
+        if p.requires_grad:
+            errs["grad " + n] = rel_err(q.grad.double(), p.grad.double())
+    top = (tiled.top_tokens(tile=3) == logits.logits.argmax(-1)).all().item()
+    return errs, tiled.logits is None and tiled.final_hidden is not None, top
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world,cases", [
+    (1, [("contiguous", "padded", 7), ("contiguous", "packed", "2KiB")]),
+    (2, [("zigzag", "padded", 5), ("zigzag", "packed", 3), ("contiguous", "plain", "16MiB")]),
+    (3, [("striped", "padded", 4), ("zigzag", "packed", "1KiB")]),
+    (4, [("zigzag", "padded", 1)])])
+def test_the_teacher_in_tiles_equals_the_teacher_from_logits(clusters, worst_errors, world,
+                                                              cases):
+    """The Eagle3 step with the teacher computed a tile at a time from the target's final
+    hidden states (no [L, V] or [L, Vd] tensor) gives the losses, accuracies and gradients
+    of the step with the target's logits: W = 1..4, padded and packed rows, tiles of 1 row
+    to all of them, on every rank."""
+    bad = []
+    for layout, kind, tile in cases:
+        for rank, (errs, no_logits, top) in enumerate(
+                clusters(world).run(run_tiled_vs_logits, layout, kind, tile, timeout=280)):
+            assert no_logits and top, (rank, layout, kind)
+            for name, err in errs.items():
+                key = ("float32", "eagle3 tiled " + name.split(" ")[0])
+                if key not in worst_errors or err > worst_errors[key][0]:
+                    worst_errors[key] = (err, TILED_TOL)
+                if not err <= TILED_TOL:
+                    bad.append(f"W={world} {layout} {kind} tile {tile} rank {rank} {name}: {err:.2e}")
+    assert not bad, "\n".join(bad)

@@ -227,29 +227,25 @@ def structure_terms_and_conventions():
     group = dist.group.WORLD
     res = {}
     batch = _batch("plain", 23, seed=5)
-    for label, b_scale in (("lora zero B", 0.0), ("lora", 0.3)):
-        model, ref = _pair("llama")
-        model.lm_head, ref.lm_head = LoRAHead(model.lm_head, b_scale), LoRAHead(ref.lm_head, b_scale)
-        res[label + " untiled because"] = ra_hf.tile_problem(model)
+    def step(model, ref):  # (loss error, worst gradient error) against one process
         with ra_hf.context_parallel(model, group):
             out = model(**batch)
             out.loss.backward()
         ra_hf.average_gradients(model, group)
         one = ref(**batch, use_cache=False)
         one.loss.backward()
-        res[label] = (rel_err(out.loss, one.loss), _all_grads_err(model, ref),
-                      float(model.lm_head.lora_B.grad.abs().max()))
+        return rel_err(out.loss, one.loss), _all_grads_err(model, ref)
+
+    for label, b_scale in (("lora zero B", 0.0), ("lora", 0.3)):
+        model, ref = _pair("llama")
+        model.lm_head, ref.lm_head = LoRAHead(model.lm_head, b_scale), LoRAHead(ref.lm_head, b_scale)
+        res[label + " untiled because"] = ra_hf.tile_problem(model)
+        res[label] = (*step(model, ref), float(model.lm_head.lora_B.grad.abs().max()))
     model, ref = _pair("llama")  # a plain head with a hook of its own: untiled, exact
     for m in (model, ref):
         m.lm_head.register_forward_hook(lambda mod, args, out: out * 0.5)
     res["hooked untiled because"] = ra_hf.tile_problem(model)
-    with ra_hf.context_parallel(model, group):
-        out = model(**batch)
-        out.loss.backward()
-    ra_hf.average_gradients(model, group)
-    one = ref(**batch, use_cache=False)
-    one.loss.backward()
-    res["hooked"] = (rel_err(out.loss, one.loss), _all_grads_err(model, ref))
+    res["hooked"] = step(model, ref)
 
     bamba = build("bamba", "ringattn")  # a z-loss: refused by name, on every rank
     ra_hf.convert(bamba)

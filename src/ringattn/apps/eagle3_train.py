@@ -431,7 +431,7 @@ def _draft_ids(cfg: Eagle3Config, target, group, samples=None):
     first = next(make_batches(Eagle3Config(**{**asdict(cfg), "steps": 1}), replica=0))
     tgt = run_target(target, first, group=group, layout=cfg.layout,
                      strategy=cfg.strategy if group is not None else "ring")
-    top = tgt.logits.argmax(-1)[tgt.valid_mask]  # real tokens (not the shards' padding)
+    top = tgt.top_tokens()[tgt.valid_mask]  # real tokens (not the shards' padding)
     vocab = target.config.vocab_size
     counts = torch.bincount(top, minlength=vocab)
     if group is not None:

@@ -35,7 +35,10 @@ from ..comm import collective, resolve_group
 from ..masks import check_cu_seqlens
 from ..sharding import positions, shard
 from .attention import dense_ttt_attention, ttt_attention
+from ..loss import DEFAULT_TILE
 from .shift import Lookahead
+from .teacher import (TeacherHead, check_kept_logits, keep_final_hidden, marks, teacher_head,
+                      tiled_ttt_loss)
 
 __all__ = ["Eagle3Draft", "TargetOutputs", "StepResult", "aux_layer_ids", "capture_aux_hidden",
            "check_aux_layers", "decoder_layers", "draft_vocabulary", "run_target",
@@ -285,8 +288,9 @@ class TargetOutputs:
 
     aux_hidden: torch.Tensor
     """[B, L, 3 H_target]: the three auxiliary hidden states, concatenated."""
-    logits: torch.Tensor
-    """[B, L, V]: the target's logits."""
+    logits: torch.Tensor | None
+    """[B, L, V]: the target's logits; None when the teacher is computed in tiles from
+    ``final_hidden`` and ``head``."""
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     position_ids: torch.Tensor
@@ -304,6 +308,19 @@ class TargetOutputs:
     every slot below S."""
     cu_seqlens: tuple[int, ...] | None = None
     """Packed documents of the (B = 1) rows: flash-attn's offsets over the global S."""
+    final_hidden: torch.Tensor | None = None
+    """[B, L, H_target]: the target's last hidden states (after its final norm), from which
+    ``head`` gives the teacher one tile at a time (``teacher.py``); None with ``logits``."""
+    head: TeacherHead | None = None
+    """The target's head as the teacher reads it (``teacher.TeacherHead``)."""
+
+    def top_tokens(self, tile=DEFAULT_TILE) -> torch.Tensor:
+        """[B, L] the target's top token at each position (``argmax`` over V), from the
+        logits or a tile of them at a time."""
+        if self.logits is not None:
+            return self.logits.argmax(-1)
+        return marks(self.head, self.head, None, self.final_hidden, tile,
+                     targets_only=True)[0]
 
 
 def _valid_len(attention_mask):
@@ -328,7 +345,7 @@ def _loss_mask(batch: dict) -> torch.Tensor:
 
 @torch.no_grad()
 def run_target(target, batch: dict, *, group=None, layout: str = "zigzag",
-               aux_layers=None, strategy: str = "ring") -> TargetOutputs:
+               aux_layers=None, strategy: str = "ring", teacher: str = "auto") -> TargetOutputs:
     """Run the target on a global batch (the same on every CP rank) and keep this rank's
     share of what the draft needs. Under CP the target runs context-parallel through the
     transformers integration (``attn_implementation="ringattn"``); alone, as it is.
@@ -339,7 +356,26 @@ def run_target(target, batch: dict, *, group=None, layout: str = "zigzag",
         aux_layers: three decoder-layer indices; default ``aux_layer_ids``.
         strategy: "ring", "ulysses" or "hybrid" (``group`` the hybrid's mesh), for the
             target's attention and the draft's.
+        teacher: "tiled": the target's head runs on one position only and the outputs
+            carry its final hidden states (``final_hidden``, ``head``: the teacher is
+            computed a tile at a time, no [L, V] tensor); "logits": the target's [L, V]
+            logits; "auto": tiled where the target's head can be read
+            (``teacher.teacher_head``), else the logits.
+
+    Raises:
+        ValueError: ``teacher="tiled"`` for a target whose head is not a plain linear map
+            of its final hidden state and a row of the head table (named), or whose logits
+            at the kept position are not its head's output (on every rank under CP).
     """
+    if teacher not in ("auto", "tiled", "logits"):
+        raise ValueError(f"teacher must be 'auto', 'tiled' or 'logits', got {teacher!r}")
+    head = decoder = None
+    if teacher != "logits":
+        try:
+            head, decoder = teacher_head(target)
+        except ValueError:
+            if teacher == "tiled":
+                raise
     from ..batch import shard_batch
 
     ids = batch["input_ids"]
@@ -354,18 +390,20 @@ def run_target(target, batch: dict, *, group=None, layout: str = "zigzag",
         pos = _rope_positions(cu, b, s, ids.device)
         # packed: no attention mask and restarting positions, from which transformers
         # builds its document mask (use_cache=False: it does so only without a cache)
-        out, aux = capture_aux_hidden(
-            target, layers, input_ids=ids, position_ids=pos, use_cache=False,
-            attention_mask=None if cu is not None else batch.get("attention_mask"))
+        with keep_final_hidden(decoder, s) as (extra, final):
+            out, aux = capture_aux_hidden(
+                target, layers, input_ids=ids, position_ids=pos, use_cache=False,
+                attention_mask=None if cu is not None else batch.get("attention_mask"), **extra)
         local_ids, lm, local_keep = ids, loss_mask, keep
     else:
         sharded = {"input_ids": ids, "attention_mask": batch.get("attention_mask")}
         if cu is not None:
             sharded["cu_seqlens"] = cu
         local = shard_batch(sharded, group=group, layout=layout, strategy=strategy)
-        out, aux = capture_aux_hidden(target, layers, input_ids=local["input_ids"],
-                                      position_ids=local["position_ids"], use_cache=False,
-                                      ring_context=local["ring_context"])
+        with keep_final_hidden(decoder, local["input_ids"].shape[1]) as (extra, final):
+            out, aux = capture_aux_hidden(target, layers, input_ids=local["input_ids"],
+                                          position_ids=local["position_ids"], use_cache=False,
+                                          ring_context=local["ring_context"], **extra)
         local["ring_context"].check_consumed(target)
         local_ids = local["input_ids"]
         kw = dict(group=group, layout=layout, seqlen=s, cu_seqlens=cu)
@@ -375,8 +413,13 @@ def run_target(target, batch: dict, *, group=None, layout: str = "zigzag",
         both = shard(torch.stack([loss_mask.to(keep.dtype), keep], -1), **kw)  # one agreement
         lm, local_keep = both[..., 0].to(loss_mask.dtype), both[..., 1]
     layout = layout if group is not None else "contiguous"  # one process: no shard padding
-    return TargetOutputs(aux, out.logits, local_ids, lm, pos, valid, s, layout, group, strategy,
-                         local_keep.to(torch.bool), cu)
+    if head is None:
+        return TargetOutputs(aux, out.logits, local_ids, lm, pos, valid, s, layout, group,
+                             strategy, local_keep.to(torch.bool), cu)
+    hidden = final[0] if final else None
+    check_kept_logits(target, head, hidden, out.logits, group)
+    return TargetOutputs(aux, None, local_ids, lm, pos, valid, s, layout, group, strategy,
+                         local_keep.to(torch.bool), cu, hidden, head)
 
 
 def _documents(batch: dict, b: int, s: int):
@@ -491,6 +534,17 @@ class _SoftCrossEntropy(torch.autograd.Function):
         return dz, None, None, None, None, None
 
 
+def _check_vocabulary(draft: Eagle3Draft, vocab: int) -> None:
+    """The draft's target vocabulary must be the target's (its ``t2d`` maps target ids).
+
+    Raises:
+        ValueError: naming both sizes."""
+    if draft.t2d.numel() != vocab:
+        raise ValueError(f"the draft maps a target vocabulary of {draft.t2d.numel()} tokens "
+                         f"(its t2d) but the target's head gives {vocab} logits: a draft built "
+                         f"for another target")
+
+
 @lru_cache(maxsize=8)
 def _lookahead(group, layout: str, seqlen: int, width: int, cu_seqlens=None) -> Lookahead:
     """One ``Lookahead`` per (group, layout, S, width, documents): its set-up exchange runs
@@ -500,23 +554,37 @@ def _lookahead(group, layout: str, seqlen: int, width: int, cu_seqlens=None) -> 
 
 
 def eagle3_step(draft: Eagle3Draft, tgt: TargetOutputs, *, steps: int = 7,
-                decay: float = 0.8) -> StepResult:
+                decay: float = 0.8, tile=DEFAULT_TILE) -> StepResult:
     """The TTT forward of one batch: per-step losses and accuracies, the loss to backward.
 
     One process (``tgt.group`` None) uses the dense TTT mask; under CP, ``ttt_attention``.
     The diagonal keys never leave their rank; every shift of inputs, teacher and masks reads
     across shard boundaries (``Lookahead``: one all_to_all per tensor per batch, after a
     set-up made once per (group, layout, S, steps)).
+
+    With ``tgt.final_hidden`` (``run_target``'s tiled teacher) the teacher and every step's
+    loss are computed a tile at a time (``teacher.py``; ``tile``: rows or a byte budget of
+    one tile's logits, as ``tiled_lm_loss``'s): the shifts move final hidden rows, and no
+    [B, L, V] or [B, L, Vd] tensor exists. With ``tgt.logits``, the untiled computation.
+    Both give the same losses, accuracies and gradients.
     """
     if not isinstance(steps, int) or not 1 <= steps <= 64:
         raise ValueError(f"steps must be an int in [1, 64], got {steps!r}")
     b = tgt.input_ids.shape[0]
     ahead = _lookahead(tgt.group, tgt.layout, tgt.seqlen, steps, tgt.cu_seqlens)
     draft_ids = draft.draft_ids
-    teacher = torch.softmax(tgt.logits[..., draft_ids].float(), dim=-1)  # [B, L, Vd]
-    in_vocab = draft.t2d[tgt.logits.argmax(-1)]
-    ext_teacher = ahead.extend(teacher)
-    ext_top = ahead.extend(teacher.argmax(-1))  # the teacher's top draft token (accuracy)
+    tiled = tgt.logits is None
+    if tiled:
+        _check_vocabulary(draft, tgt.head.weight.shape[0])
+        teacher_d = tgt.head.restricted(draft_ids)  # [Vd, H]: the draft vocabulary's rows
+        _, in_vocab, top_d = marks(tgt.head, teacher_d, draft.t2d, tgt.final_hidden, tile)
+        ext_teacher = ahead.extend(tgt.final_hidden)  # hidden rows travel, not probabilities
+    else:
+        _check_vocabulary(draft, tgt.logits.shape[-1])
+        teacher = torch.softmax(tgt.logits[..., draft_ids].float(), dim=-1)  # [B, L, Vd]
+        in_vocab, top_d = draft.t2d[tgt.logits.argmax(-1)], teacher.argmax(-1)
+        ext_teacher = ahead.extend(teacher)
+    ext_top = ahead.extend(top_d)  # the teacher's top draft token (accuracy)
     ext_in_vocab = ahead.extend(in_vocab, False)
     real = tgt.valid_mask
     if real is None:
@@ -538,20 +606,31 @@ def eagle3_step(draft: Eagle3Draft, tgt: TargetOutputs, *, steps: int = 7,
     cache: tuple[list, list] = ([], [])
     total = hidden.new_zeros(())
     sums = torch.zeros(3, steps, dtype=torch.float64, device=hidden.device)
+    scale = 1.0 / (b * tgt.seqlen)
+    normed, actives = [], []
     for j in range(steps):
         embeds = draft.embed_tokens(ahead.take(ext_ids, 1 + j)).to(hidden.dtype)
         hidden = draft.layer(embeds, hidden, tgt.position_ids + j, cache, attend)
-        logits = draft.logits(hidden).float()
         # a token counts where it has a loss and its teacher (position i + 1 + j) is a real
         # token of its document: not right padding, not past the end
         counted = ahead.take(ext_flags, j)[..., 0] & ahead.take(ext_flags, 1 + j)[..., 1]
         active = ahead.take(ext_in_vocab, 1 + j) & counted
-        loss = _SoftCrossEntropy.apply(logits, active, 1.0 / (b * tgt.seqlen), ahead,
-                                       ext_teacher, 1 + j)
+        sums[2, j] = counted.sum().double()
+        if tiled:  # the head and the loss of every step after the loop, in tiles
+            normed.append(draft.norm(hidden))
+            actives.append(active)
+            continue
+        logits = draft.logits(hidden).float()
+        loss = _SoftCrossEntropy.apply(logits, active, scale, ahead, ext_teacher, 1 + j)
         total = total + decay ** j * loss
         with torch.no_grad():
             correct = ((logits.argmax(-1) == ahead.take(ext_top, 1 + j)) & active).sum()
-            sums[:, j] = torch.stack([loss.double(), correct.double(), counted.sum().double()])
+            sums[:2, j] = torch.stack([loss.double(), correct.double()])
+    if tiled:
+        total, losses, hits = tiled_ttt_loss(draft.lm_head, normed, teacher_d, ahead,
+                                             ext_teacher, actives, scale,
+                                             [decay ** j for j in range(steps)], tile)
+        sums[0], sums[1] = losses.to(sums.device), hits.to(sums.device)
     if tgt.group is not None:  # (gloo: CPU tensors; NCCL: the tensors' GPU)
         pg = resolve_group(tgt.group)
         collective("Eagle3's loss and accuracy sums", pg,

@@ -50,9 +50,10 @@ from .batch import prepare_batch
 from .checks import (BUILT_EAGER, MIXER_FAMILIES, NAME, NOT_ATTENTION_KWARGS, POSITIONS_FROM_MASK,
                      check_model, converted, convertible, global_router_loss, mixers_converted)
 from ...eagle3.target import register_loader
+from ...eagle3.teacher import register_head_reader
 from .context import average_gradients, context_parallel
 from .convert import convert, load_pretrained
-from .head import tile_problem, tiled_call
+from .head import teacher_head, tile_problem, tiled_call
 from .mixers import convert_mixers
 from .tiled_mlp import tile_mlp, tiled_mlps
 
@@ -78,6 +79,7 @@ the ``mixers/`` files)."""
 # the Eagle3 library loads "ringattn" targets through this integration, which it does not
 # import (eagle3/ sits above integrations/: tests/unit/test_house.py)
 register_loader(NAME, load_pretrained)
+register_head_reader(teacher_head)  # its teacher in tiles reads a target's head by the table
 
 
 def check_consumed(ring_context, model=None) -> None:

@@ -36,7 +36,8 @@ from ...comm import agree, resolve_group
 from ...loss import head_loss
 from ...structure import plain_layer_problem
 
-__all__ = ["TRANSFORMS", "UNTILED", "LogitsNotComputed", "tile_problem", "tiled_call"]
+__all__ = ["TRANSFORMS", "UNTILED", "LogitsNotComputed", "teacher_head", "tile_problem",
+           "tiled_call"]
 
 _SOFTCAP = (("div", None), ("tanh", None), ("mul", None))
 TRANSFORMS: dict = {
@@ -269,6 +270,31 @@ class _Call:
 
 
 _NOT_COMPUTED = LogitsNotComputed()
+
+
+def teacher_head(model):
+    """(the Eagle3 ``TeacherHead`` of ``model``: its head's weight and bias and the head
+    table's transforms; its decoder module): what ``ringattn.eagle3``'s teacher in tiles
+    reads (registered with ``eagle3.teacher.register_head_reader`` on import).
+
+    Raises:
+        ValueError: the model's head cannot be read so (``tile_problem``, named).
+    """
+    from ...eagle3.teacher import TeacherHead
+
+    problem = tile_problem(model)
+    if problem is not None:
+        raise ValueError(f"the Eagle3 teacher in tiles cannot read the target's head: "
+                         f"{problem}; pass teacher='logits'")
+    on_logits, on_input, _ = _transform(model)
+    head = model.get_output_embeddings()
+    weight, bias = head.weight, head.bias
+    if hasattr(weight, "full_tensor"):  # FSDP2 (a sharded target): the whole head
+        weight = weight.full_tensor()
+        bias = None if bias is None else bias.full_tensor()
+    family = str(getattr(_text_config(model), "model_type", type(model).__name__))
+    return (TeacherHead(weight.detach(), None if bias is None else bias.detach(), on_logits,
+                        on_input, family), _decoder(model))
 
 
 def tiled_call(model, local: dict, tile: int | None, ignore_index: int = -100):
