@@ -63,6 +63,9 @@ class Eagle3Config:
     kv_heads: int = 2
     intermediate: int = 128
     target_layers: int = 4
+    teacher: str = "auto"
+    """``run_target``'s teacher: "auto" (in tiles where the target's head can be read: no
+    [L, V] logits), "tiled" or "logits" (the target's whole logits)."""
     target_init_std: float = 0.05
     """Initial weight scale of the random target."""
     target_embed_scale: float = 3.0
@@ -138,6 +141,9 @@ class Eagle3Config:
             raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {self.layout!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.teacher not in ("auto", "tiled", "logits"):
+            raise ValueError(f"teacher must be one of ('auto', 'tiled', 'logits'), got "
+                             f"{self.teacher!r}")
         if self.strategy != "ring" and self.offline is not None:
             raise ValueError("offline training runs the draft's attention on the ring only")
         if not 0 <= self.pad < self.seqlen:
@@ -481,7 +487,8 @@ def train_step(target, draft: Eagle3Draft, opt, batch, cfg: Eagle3Config, *,
             tgt = shard_target_outputs(one, group=cp_group, layout=cfg.layout)
         else:
             tgt = run_target(target, one, group=cp_group, layout=cfg.layout,
-                             strategy=cfg.strategy if cp_group is not None else "ring")
+                             strategy=cfg.strategy if cp_group is not None else "ring",
+                             teacher=cfg.teacher)
         dev = tgt.aux_hidden.device.type
         with torch.autocast(dev, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
             res = eagle3_step(draft, tgt, steps=cfg.ttt_steps, decay=cfg.decay)

@@ -58,10 +58,12 @@ class TeacherHead:
 
     def logits(self, h_RH: torch.Tensor) -> torch.Tensor:
         """[R, V] the target's logits of these rows, in the head's dtype (as the model
-        returns them)."""
-        x = h_RH if self.on_input is None else self.on_input(h_RH)
-        z = F.linear(x.to(self.weight.dtype), self.weight, self.bias)
-        return z if self.on_logits is None else self.on_logits(z)
+        returns them, outside any autocast the draft's step runs under: the target ran
+        before it, without)."""
+        with torch.autocast(h_RH.device.type, enabled=False):
+            x = h_RH if self.on_input is None else self.on_input(h_RH)
+            z = F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+            return z if self.on_logits is None else self.on_logits(z)
 
     def restricted(self, rows: torch.Tensor) -> "TeacherHead":
         """The head of the logits ``rows`` only (the draft vocabulary): one [Vd, H] copy."""
