@@ -17,7 +17,9 @@ normed hidden states and of its head) are computed in the forward, as ``tiled_lm
 does, so nothing of a tile is kept: the backward scales them.
 
 The Eagle3 library imports no integration: the transformers integration hands the reader
-of a target's head to ``register_head_reader`` when imported.
+of a target's head to ``register_head_reader`` when imported, and the builder of a head
+table row's transforms (for a head stored on disk, ``rebuild_transforms``) to
+``register_head_transforms``.
 """
 
 from __future__ import annotations
@@ -34,11 +36,15 @@ from ..loss import tile_rows
 from ..structure import plain_weights
 
 __all__ = ["TeacherHead", "check_kept_logits", "keep_final_hidden", "marks",
-           "register_head_reader", "teacher_head", "tiled_ttt_loss"]
+           "rebuild_transforms", "register_head_reader", "register_head_transforms",
+           "teacher_head", "tiled_ttt_loss"]
 
 _READERS: list = []
 """Functions ``read(model) -> (TeacherHead, decoder module)`` (raising ValueError for a
 target whose head they cannot read), registered by integrations."""
+_BUILDERS: list = []
+"""Functions ``build(family, field, value) -> (on_logits, on_input)`` (raising ValueError
+for a row the head table does not hold), registered by integrations."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,10 @@ class TeacherHead:
     """What it does to the head's input (MiniCPM3 divides it); None: nothing."""
     family: str
     """The target's model_type, for messages."""
+    row: tuple = ()
+    """The head table's row this head applies, as data that rebuilds ``on_logits`` and
+    ``on_input`` without the model (``rebuild_transforms``): (the config field, its value); ():
+    the family applies nothing."""
 
     def logits(self, h_RH: torch.Tensor) -> torch.Tensor:
         """[R, V] the target's logits of these rows, in the head's dtype (as the model
@@ -79,6 +89,34 @@ def register_head_reader(read) -> None:
     one when imported."""
     if read not in _READERS:
         _READERS.append(read)
+
+
+def register_head_transforms(build) -> None:
+    """Rebuild a head table row's transforms with ``build(family, field, value) ->
+    (on_logits, on_input)``: how an integration lets ``rebuild_transforms`` rebuild a head
+    stored without its model. The transformers integration registers one when imported."""
+    if build not in _BUILDERS:
+        _BUILDERS.append(build)
+
+
+def rebuild_transforms(family: str, row=()) -> tuple:
+    """(on_logits, on_input) of a head stored without its model (offline outputs), from
+    its ``TeacherHead.row``: (the config field, its value), or () (the family applies
+    nothing to the head's input or output: (None, None)).
+
+    Raises:
+        ValueError: a row and no builder registered (import
+            ``ringattn.integrations.transformers``), or a row the head table does not hold
+            for ``family`` (named by the builder).
+    """
+    row = tuple(row)
+    if not row:
+        return None, None
+    if not _BUILDERS:
+        raise ValueError(f"the stored {family} head applies {row[0]}={row[1]!r}, which the "
+                         f"head table of the transformers integration rebuilds: import "
+                         f"ringattn.integrations.transformers first")
+    return tuple(_BUILDERS[-1](family, row[0], row[1]))
 
 
 def teacher_head(model):
@@ -177,58 +215,65 @@ def check_kept_logits(target, head: TeacherHead, hidden, logits, group) -> None:
 
 class _TiledTTT(torch.autograd.Function):
     """Every TTT step's soft cross-entropy, weighed and summed, tile by tile: forward
-    computes each tile's loss, hits and gradients; backward scales the gradients."""
+    computes each tile's loss, hits and gradients (by hand, in place: a tile holds its
+    draft logits, then their gradient in the same buffer, and the teacher's
+    probabilities); backward scales the gradients.
+
+    Under autocast the head's product runs as autocast runs it (inputs cast to its dtype,
+    the logits upcast to float32) and so do the gradients (cast to its dtype for the
+    products, then to the parameter's and the input's dtypes), as autograd would."""
 
     @staticmethod
     def forward(ctx, weight, bias, spec, *normed):
         (teacher, rows, ahead, ext_hidden, actives, scale, decays, want) = spec
         steps = len(normed)
+        dev = weight.device.type
+        cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
         need_w = want and weight.requires_grad
         need_b = want and bias is not None and bias.requires_grad
-        w = weight.detach().requires_grad_(need_w)
-        bb = None if bias is None else bias.detach().requires_grad_(need_b)
-        d_weight = d_bias = None
-        d_normed = []
-        losses = torch.zeros(steps, dtype=torch.float64, device=weight.device)
-        hits = torch.zeros(steps, dtype=torch.float64, device=weight.device)
-        for j, x in enumerate(normed):
-            need_x = want and x.requires_grad
-            b_, n = x.shape[:2]
-            flat = x.reshape(b_ * n, -1)
-            active = actives[j].reshape(-1)
-            t_rows = ahead.take(ext_hidden, 1 + j).reshape(b_ * n, -1)  # the teacher's rows
-            top_d = None
-            dx = torch.zeros_like(flat) if need_x else None
-            for start in range(0, b_ * n, rows):
-                sl = slice(start, start + rows)
-                with torch.no_grad():
+        with torch.no_grad(), torch.autocast(dev, enabled=False):
+            wc = weight.detach() if cast is None else weight.detach().to(cast)
+            bc = None if bias is None else (bias.detach() if cast is None
+                                            else bias.detach().to(cast))
+            d_weight = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                        if need_w else None)
+            d_bias = (torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+                      if need_b else None)
+            d_normed = []
+            losses = torch.zeros(steps, dtype=torch.float64, device=weight.device)
+            hits = torch.zeros(steps, dtype=torch.float64, device=weight.device)
+            for j, x in enumerate(normed):
+                need_x = want and x.requires_grad
+                b_, n = x.shape[:2]
+                flat = x.detach().reshape(b_ * n, -1)
+                active = actives[j].reshape(-1)
+                t_rows = ahead.take(ext_hidden, 1 + j).reshape(b_ * n, -1)  # teacher rows
+                dx = torch.empty_like(flat) if need_x else None
+                for start in range(0, b_ * n, rows):
+                    sl = slice(start, start + rows)
                     p = torch.softmax(teacher.logits(t_rows[sl]).float(), dim=-1)  # [R, Vd]
-                    top_d = p.argmax(-1)
-                h = flat[sl].detach().requires_grad_(need_x)
-                with torch.enable_grad():
-                    z = F.linear(h, w, bb).float()  # [R, Vd]
+                    h = flat[sl] if cast is None else flat[sl].to(cast)
+                    z = F.linear(h, wc, bc).float()  # [R, Vd]
                     lse = torch.logsumexp(z, dim=-1)
-                    ce = lse * p.sum(-1) - (p * z).sum(-1)
-                    summed = (ce * active[sl]).sum() * scale  # this tile's share of loss j
-                    part = summed * decays[j]
-                    wanted = [t for t, need in ((h, need_x), (w, need_w), (bb, need_b)) if need]
-                    grads = list(torch.autograd.grad(part, wanted)) if wanted else []
-                with torch.no_grad():
-                    losses[j] += summed.detach().double()
-                    hits[j] += ((z.argmax(-1) == top_d) & active[sl]).sum().double()
-                if need_x:
-                    dx[sl] = grads.pop(0)
-                if need_w:
-                    g = grads.pop(0)
-                    d_weight = g.float() if d_weight is None else d_weight.add_(g)
-                if need_b:
-                    g = grads.pop(0)
-                    d_bias = g.float() if d_bias is None else d_bias.add_(g)
-            d_normed.append(None if dx is None else dx.view_as(x))
-        if need_w and d_weight is None:
-            d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        if need_b and d_bias is None:
-            d_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+                    mass = p.sum(-1)
+                    ce = lse * mass - torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1)
+                    act = active[sl]
+                    losses[j] += ((ce * act).sum() * scale).double()
+                    hits[j] += ((z.argmax(-1) == p.argmax(-1)) & act).sum().double()
+                    if not (need_x or need_w or need_b):
+                        continue
+                    coef = act.to(torch.float32) * (scale * decays[j])
+                    # d loss / d z = (softmax(z) * sum(p) - p) * coef, in z's buffer
+                    dz = z.sub_(lse.unsqueeze(-1)).exp_().mul_(mass.unsqueeze(-1)).sub_(p)
+                    dz = dz.mul_(coef.unsqueeze(-1))
+                    dzc = dz if cast is None else dz.to(cast)
+                    if need_x:
+                        dx[sl] = (dzc @ wc).to(dx.dtype)
+                    if need_w:
+                        d_weight.add_(dzc.t() @ h)
+                    if need_b:
+                        d_bias.add_(dzc.sum(0))
+                d_normed.append(None if dx is None else dx.view_as(x))
         ctx.grads = (d_weight, d_bias, d_normed)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         total = (losses * torch.tensor(decays, dtype=torch.float64, device=losses.device)).sum()
