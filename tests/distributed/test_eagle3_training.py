@@ -539,3 +539,32 @@ def test_the_teacher_in_tiles_equals_the_teacher_from_logits(clusters, worst_err
                 if not err <= TILED_TOL:
                     bad.append(f"W={world} {layout} {kind} tile {tile} rank {rank} {name}: {err:.2e}")
     assert not bad, "\n".join(bad)
+
+
+def test_the_teacher_in_tiles_under_bf16_autocast_is_the_logits_teacher():
+    """Under bf16 autocast (``Eagle3Config.dtype``) the tiled step runs the draft's head
+    as autocast runs it and its teacher outside it (as the target ran): its loss and
+    gradients are as far from the fp32 step as the logits path's are (one process), and
+    its accuracies the same."""
+    cfg = small_config(seqlen=61)
+    _, target, draft, _ = _models(cfg)
+    batch = next(make_batches(cfg))
+    outputs = {t: run_target(target, batch, teacher=t) for t in ("logits", "tiled")}
+
+    def run(teacher, bf16):
+        d = copy.deepcopy(draft)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            res = eagle3_step(d, outputs[teacher], steps=cfg.ttt_steps, tile=5)
+        res.loss.backward()
+        return res, {n: p.grad for n, p in d.named_parameters() if p.grad is not None}
+
+    ref, ref_grads = run("logits", False)
+    errs = {}
+    for teacher in ("logits", "tiled"):
+        res, grads = run(teacher, True)
+        assert res.accuracies == ref.accuracies, teacher
+        errs[teacher] = (rel_err(res.loss.detach().double(), ref.loss.detach().double()),
+                         max(rel_err(grads[n].double(), ref_grads[n].double()) for n in grads))
+    assert errs["tiled"][0] <= 2 * errs["logits"][0] + 1e-7, errs
+    assert errs["tiled"][1] <= 1.25 * errs["logits"][1], errs
+    assert errs["logits"][1] > 1e-4  # bf16 matters here: the bound is not vacuous
