@@ -568,3 +568,54 @@ def test_the_teacher_in_tiles_under_bf16_autocast_is_the_logits_teacher():
     assert errs["tiled"][0] <= 2 * errs["logits"][0] + 1e-7, errs
     assert errs["tiled"][1] <= 1.25 * errs["logits"][1], errs
     assert errs["logits"][1] > 1e-4  # bf16 matters here: the bound is not vacuous
+
+
+def run_bad_teacher():
+    """Rank side: a target whose head is a LoRA head (a Linear subclass: its weight is not
+    its output) with teacher='tiled', and one whose head output differs from what the head
+    table says (a hook scaling it), and a draft built for another vocabulary: each refused
+    by name on every rank; 'auto' runs the first from its logits."""
+    from test_tiled_head import LoRAHead
+
+    cfg = small_config(seqlen=29, pad=0)
+    target, _, draft, _ = _models(cfg)
+    batch = next(make_batches(cfg))
+    group = dist.group.WORLD
+    said = {}
+    plain = target.lm_head
+    target.lm_head = LoRAHead(plain, 0.3)
+    try:
+        run_target(target, batch, group=group, teacher="tiled")
+        said["lora"] = "ran"
+    except ValueError as exc:
+        said["lora"] = str(exc)
+    said["lora auto"] = run_target(target, batch, group=group).logits is not None
+    target.lm_head = plain
+    handle = plain.register_forward_hook(lambda m, a, out: out * 2)
+    try:  # a hooked head: not read by its weight (structure), the logits path instead
+        said["hooked auto"] = run_target(target, batch, group=group).logits is not None
+    finally:
+        handle.remove()
+    tgt = run_target(target, batch, group=group)
+    from ringattn.apps.eagle3_train import draft_config
+    from ringattn.eagle3.draft import Eagle3Draft
+
+    config = draft_config(target.config)
+    config.vocab_size = cfg.vocab + 4  # a draft for a target with 4 tokens more
+    wide = Eagle3Draft(config, target.config.hidden_size, torch.arange(cfg.draft_vocab),
+                       draft.aux_layers)
+    try:
+        eagle3_step(wide, tgt, steps=cfg.ttt_steps)
+        said["vocab"] = "ran"
+    except ValueError as exc:
+        said["vocab"] = str(exc)
+    return said
+
+
+@pytest.mark.timeout(120)
+def test_a_teacher_that_cannot_be_read_is_refused_by_name(clusters):
+    for rank, said in enumerate(clusters(2).run(run_bad_teacher, timeout=100)):
+        assert "LoRAHead, not exactly a torch.nn" in said["lora"], (rank, said)
+        assert "pass teacher='logits'" in said["lora"], (rank, said)
+        assert said["lora auto"] and said["hooked auto"], (rank, said)
+        assert "a draft built for another target" in said["vocab"], (rank, said)
