@@ -73,7 +73,8 @@ def test_chat_training_under_cp_equals_one_process(clusters, tmp_path, pack):
 
 def test_offline_command_writes_the_rendered_conversations(tmp_path):
     """``python -m ringattn.apps.eagle3_target``: the chat data rendered and run through the
-    target once, read back with the same ids and loss masks as rendering them directly."""
+    target once, read back with the same ids and loss masks as rendering them directly; by
+    default the final hidden states and the head (version 3), no logits."""
     from ringattn.eagle3.data import load_conversations, render
     from ringattn.apps.eagle3_target import main
     from ringattn.eagle3.target import OfflineSamples
@@ -89,25 +90,35 @@ def test_offline_command_writes_the_rendered_conversations(tmp_path):
     n = ids.numel()
     assert torch.equal(batch["input_ids"][0, :n], ids) and torch.equal(batch["loss_mask"][0, :n].bool(), mask)
     assert batch["attention_mask"][0].sum() == n and batch["aux_hidden"].shape == (1, 64, 3 * 16)
+    assert stored.version == 3 and batch["final_hidden"].shape == (1, 64, 16)
+    assert "logits" not in batch and batch["head"].weight.shape == (40, 16)
 
 
-def run_offline_training(cfg):
+def run_offline_training(cfgs):
     import torch.distributed as dist
 
-    return train_eagle3(cfg, group=dist.group.WORLD, progress=False)
+    return [train_eagle3(cfg, group=dist.group.WORLD, progress=False) for cfg in cfgs]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_offline_training_equals_online(clusters, tmp_path):
-    """Training on stored outputs (``--offline``) under CP on 2 ranks gives the losses of
-    online training on the same conversations in one process."""
+    """Training on stored outputs (``--offline``: version 3, the default, and version 2,
+    ``--teacher logits``) under CP on 2 ranks gives the losses of online training on the
+    same conversations in one process."""
     from ringattn.apps.eagle3_target import main
 
     target, data = _setup(tmp_path)
-    assert main(["--target", target, "--data", data, "--out", str(tmp_path / "off"),
-                 "--dtype", "float32"]) == 0
+    cfgs = []
+    for version, teacher in ((3, "auto"), (2, "logits")):
+        out = str(tmp_path / f"off-v{version}")
+        assert main(["--target", target, "--data", data, "--out", out, "--dtype", "float32",
+                     "--teacher", teacher]) == 0
+        with open(f"{out}/index.json") as f:
+            assert json.load(f)["version"] == version
+        cfgs.append(Eagle3Config(**{**_config(target, None, False).__dict__, "offline": out}))
     online = train_eagle3(_config(target, data, False), progress=False)
-    cfg = Eagle3Config(**{**_config(target, None, False).__dict__, "offline": str(tmp_path / "off")})
-    for rank, res in enumerate(clusters(2).run(run_offline_training, cfg, timeout=200)):
-        for step, (a, b) in enumerate(zip(res["loss"], online["loss"], strict=True)):
-            assert abs(a - b) <= FP32_TOL * abs(b), (rank, step, a, b)
+    for rank, results in enumerate(clusters(2).run(run_offline_training, cfgs, timeout=280)):
+        for res in results:
+            for step, (a, b) in enumerate(zip(res["loss"], online["loss"], strict=True)):
+                assert abs(a - b) <= FP32_TOL * abs(b), (rank, res["config"]["offline"],
+                                                         step, a, b)

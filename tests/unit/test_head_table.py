@@ -2,10 +2,13 @@
 (``integrations.transformers.head``): for every family in the survey that the table names,
 and for every family whose config sets such a field, the model's own logits at a kept
 position equal, bit for bit, the head's output there after the table's transform (the
-check the tiled loss makes on every call); and the families the table keeps untiled say
-why."""
+check the tiled loss makes on every call), also with the transform rebuilt from the row
+stored as data (the Eagle3 offline format's head); and the families the table keeps
+untiled say why."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ pytest.importorskip("transformers")
 
 from families import FAMILIES, build  # noqa: E402
 
+from ringattn.eagle3.teacher import TeacherHead, rebuild_transforms  # noqa: E402
 from ringattn.integrations.transformers import head, tile_problem  # noqa: E402
 
 FIELDS = {field for field, _ in head.TRANSFORMS.values()}
@@ -61,6 +65,13 @@ def test_the_table_says_what_the_family_does(name):
         mine = model.get_output_embeddings()(kept if on_input is None else on_input(kept))
         mine = mine if on_logits is None else on_logits(mine)
     assert torch.equal(mine, out.logits)
+    # the Eagle3 teacher's head, stored as data (offline outputs' index.json) and rebuilt
+    # without the model, gives the same logits
+    teacher, _ = head.teacher_head(model)
+    row = json.loads(json.dumps(list(teacher.row)))
+    rebuilt = TeacherHead(teacher.weight, teacher.bias, *rebuild_transforms(teacher.family, row),
+                          teacher.family, tuple(row))
+    assert torch.equal(rebuilt.logits(seen[0][:, torch.tensor([5])]), out.logits)
     if key != ("plain",) and key[1] != 1.0:  # the transform matters in this config
         plain = model.get_output_embeddings()(kept)
         assert not torch.equal(plain, out.logits)

@@ -365,9 +365,11 @@ def _data_batches(cfg: Eagle3Config, rows: list[dict], replica: int | None):
         picked = order[t * per:(t + 1) * per]
         if replica is not None:
             picked = picked[replica * cfg.batch:(replica + 1) * cfg.batch]
-        keys = [k for k in ("input_ids", "loss_mask", "attention_mask", "aux_hidden", "logits")
-                if k in rows[picked[0]]]
+        keys = [k for k in ("input_ids", "loss_mask", "attention_mask", "aux_hidden",
+                            "final_hidden", "logits") if k in rows[picked[0]]]
         batch = {k: torch.cat([rows[i][k] for i in picked]) for k in keys}
+        if "head" in rows[picked[0]]:  # offline version 3: the target's head, one for all rows
+            batch["head"] = rows[picked[0]]["head"]
         if cfg.pack:
             batch["cu_seqlens"] = rows[picked[0]]["cu_seqlens"]
             batch.pop("attention_mask")  # the padding is a document of its own

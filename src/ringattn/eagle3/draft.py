@@ -452,48 +452,79 @@ def _rope_positions(cu, b: int, s: int, device) -> torch.Tensor:
     return pos.expand(b, s)
 
 
-def shard_target_outputs(batch: dict, *, group=None, layout: str = "zigzag") -> TargetOutputs:
+def shard_target_outputs(batch: dict, *, head: TeacherHead | None = None, group=None,
+                         layout: str = "zigzag") -> TargetOutputs:
     """This rank's share of PRECOMPUTED target outputs (offline Eagle3 training).
 
     Arguments:
         batch: global tensors, the same on every CP rank: ``input_ids`` [B, S],
             ``aux_hidden`` [B, S, 3 H_target] (the three auxiliary hidden states,
-            concatenated), ``logits`` [B, S, V] (the target's), optional ``attention_mask``
-            (right padding), ``loss_mask`` [B, S] and ``cu_seqlens`` (packed documents,
-            B = 1).
+            concatenated), and the teacher: EITHER ``final_hidden`` [B, S, H_target] (the
+            target's last hidden states after its final norm; offline format version 3)
+            with its head, OR ``logits`` [B, S, V] (the target's; version 2); optional
+            ``attention_mask`` (right padding), ``loss_mask`` [B, S] and ``cu_seqlens``
+            (packed documents, B = 1). ``OfflineSamples.batch`` gives one (its version 3
+            batches hold the head as ``head``).
+        head: with ``final_hidden``, the target's ``TeacherHead`` (default:
+            ``batch["head"]``).
         group: the CP group (None: one process keeps everything).
         layout: how to shard (any S).
 
+    Returns:
+        ``TargetOutputs`` with ``final_hidden`` and ``head`` (``logits`` None: the teacher
+        is computed in tiles), or with ``logits``.
+
     Raises:
-        ValueError: missing or misshapen tensors, left padding.
+        ValueError: missing or misshapen tensors, both or neither of ``final_hidden`` and
+            ``logits``, ``final_hidden`` without a head (or a head of another width, or two
+            heads), a head with ``logits``, left padding.
     """
     ids = batch.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise ValueError("batch['input_ids'] must be a [B, S] tensor")
     b, s = ids.shape
-    for key in ("aux_hidden", "logits", "attention_mask", "loss_mask"):
+    given = [k for k in ("final_hidden", "logits") if batch.get(k) is not None]
+    if len(given) != 1:
+        raise ValueError(f"batch must hold the teacher as either 'final_hidden' (with the "
+                         f"target's head: offline version 3) or 'logits' (version 2), not "
+                         f"{' and '.join(map(repr, given)) or 'neither'}")
+    teach = given[0]
+    if head is not None and batch.get("head") is not None and batch["head"] is not head:
+        raise ValueError("two heads: head= and batch['head'] (pass one)")
+    head = batch.get("head") if head is None else head
+    if teach == "logits" and head is not None:
+        raise ValueError("batch['logits'] is the teacher: a head goes with 'final_hidden' "
+                         "only (pass no head)")
+    if teach == "final_hidden":
+        if not isinstance(head, TeacherHead):
+            raise ValueError(f"batch['final_hidden'] needs the target's head (head=, a "
+                             f"TeacherHead: OfflineSamples.head), got {type(head).__name__}")
+        width = batch["final_hidden"].shape[-1]
+        if head.weight.dim() != 2 or head.weight.shape[1] != width:
+            raise ValueError(f"the head's weight {tuple(head.weight.shape)} does not read "
+                             f"batch['final_hidden']'s {width} features")
+    for key in ("aux_hidden", teach, "attention_mask", "loss_mask"):
         t = batch.get(key)
-        if t is None and key in ("aux_hidden", "logits"):
+        if t is None and key == "aux_hidden":
             raise ValueError(f"batch[{key!r}] is missing")
         if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape[:2]) != (b, s)):
             raise ValueError(f"batch[{key!r}] must be a tensor of shape [B={b}, S={s}, ...]")
     valid = _valid_len(batch.get("attention_mask"))
     cu = _documents(batch, b, s)
-    parts = {k: batch[k] for k in ("input_ids", "aux_hidden", "logits")}
+    parts = {k: batch[k] for k in ("input_ids", "aux_hidden", teach)}
     parts["loss_mask"] = _loss_mask(batch)
     parts["keep"] = _real_tokens(batch)
     if group is None:
-        pos = _rope_positions(cu, b, s, ids.device)
-        return TargetOutputs(parts["aux_hidden"], parts["logits"], ids, parts["loss_mask"], pos,
-                             valid, s, "contiguous", None, "ring", parts["keep"].to(torch.bool),
-                             cu)
-    kw = dict(group=group, layout=layout, seqlen=s, cu_seqlens=cu)
-    local = {k: shard(v, **kw) for k, v in parts.items()}
-    where = positions(s, group=group, layout=layout, cu_seqlens=cu, device=ids.device)
-    pos = (where if cu is None else where[1]).expand(b, -1)
-    return TargetOutputs(local["aux_hidden"], local["logits"], local["input_ids"],
+        local, layout, pos = parts, "contiguous", _rope_positions(cu, b, s, ids.device)
+    else:
+        kw = dict(group=group, layout=layout, seqlen=s, cu_seqlens=cu)
+        local = {k: shard(v, **kw) for k, v in parts.items()}
+        where = positions(s, group=group, layout=layout, cu_seqlens=cu, device=ids.device)
+        pos = (where if cu is None else where[1]).expand(b, -1)
+    return TargetOutputs(local["aux_hidden"], local.get("logits"), local["input_ids"],
                          local["loss_mask"], pos, valid, s, layout, group, "ring",
-                         local["keep"].to(torch.bool), cu)
+                         local["keep"].to(torch.bool), cu, local.get("final_hidden"),
+                         head if teach == "final_hidden" else None)
 
 
 @dataclass

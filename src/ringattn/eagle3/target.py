@@ -6,34 +6,57 @@ Online training runs the frozen target on every batch (``run_target``; under CP 
 transformers integration, which this library does not import: the integration, once
 imported, hands ``load_target`` its loader of "ringattn" targets, ``register_loader``).
 Offline training reads what the target would have produced from
-disk, written once by ``precompute`` (``python -m ringattn.apps.eagle3_target``), in this format:
+disk, written once by ``precompute`` (``python -m ringattn.apps.eagle3_target``), in this format
+(version 3; ``OfflineSamples`` reads versions 3 and 2):
 
-* ``<dir>/index.json``: ``{"format": "ringattn-eagle3-offline", "version": 2,
+* ``<dir>/index.json``: ``{"format": "ringattn-eagle3-offline", "version": 3,
   "aux_layers": [l0, l1, l2], "target_hidden_size": H, "vocab_size": V, "dtype": "...",
-  "samples": [{"file": "sample-000000.safetensors", "length": S_i}, ...]}``;
+  "head": {"file": "head.safetensors", "family": model_type, "row": [field, value] or [],
+  "bias": true or false}, "samples": [{"file": "sample-000000.safetensors", "length": S_i},
+  ...]}``;
+* ``<dir>/head.safetensors``, once per directory: the target's output head, ``weight``
+  [V, H] (and ``bias`` [V] where it has one), in ``dtype``. ``row`` is the head table's row
+  the family applies to the head's input or output (the config field it reads and its
+  value: a soft cap, a scale; [] for none), from which ``teacher.rebuild_transforms``
+  rebuilds the transforms without the model (through the transformers integration's table);
 * one safetensors file per sample: ``input_ids`` [S_i] int64, ``loss_mask`` [S_i] uint8,
   ``aux_hidden`` [S_i, 3H] (the raw outputs of decoder layers ``aux_layers``, before the
-  final norm, concatenated: ``capture_aux_hidden``), ``logits`` [S_i, V] (the target's), in ``dtype``.
+  final norm, concatenated: ``capture_aux_hidden``) and ``final_hidden`` [S_i, H] (the
+  target's last hidden states, after its final norm: what its head reads), in ``dtype``.
 
-Logits take S x V values per sample (a 128K vocabulary in bf16 is 256 KB per token): offline
-training trades that disk for not running the target again.
+The teacher is computed from ``final_hidden`` and the head a tile of rows at a time, as
+online (``teacher.py``): 4H values per token (16 KB in bf16 at H = 2048, and 9 bytes of
+ids and loss mask) and the head once, instead of the V logits per token version 2 stored
+(256 KB per token at a 128K vocabulary in bf16). ``precompute`` checks, per sample, that the target's logits at
+one kept position equal the head's output on its final hidden state there, bit for bit.
+Version 2 (written by ``precompute(..., teacher="logits")``, or for a target whose head
+the table cannot read) has no ``head`` and stores ``logits`` [S_i, V] in place of
+``final_hidden``; version 1 (the last layer after the final norm) is refused.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from functools import cached_property
 
 import torch
 
-from .draft import aux_layer_ids, capture_aux_hidden, check_aux_layers, decoder_layers
+from .draft import aux_layer_ids, check_aux_layers, decoder_layers, run_target
+from .teacher import TeacherHead, rebuild_transforms, teacher_head
 
 __all__ = ["load_target", "precompute", "OfflineSamples", "FORMAT", "register_loader"]
 
 FORMAT = "ringattn-eagle3-offline"
-VERSION = 2
+VERSION = 3
 """Version 1 stored ``output_hidden_states[i + 1]``, which for the last layer is after the
-final norm; version 2 stores every layer's raw output (what servers feed the draft)."""
+final norm; version 2 stores every layer's raw output (what servers feed the draft) and the
+logits; version 3 the final hidden states and the head in place of the logits."""
+READABLE = (2, 3)
+"""The versions ``OfflineSamples`` reads."""
+HEAD = "head.safetensors"
+_DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16"}
+"""Our dtype names -> safetensors' (the header's)."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 RING = "ringattn"
 """The attention implementation ring attention registers with transformers (the transformers
@@ -95,51 +118,95 @@ def load_target(path: str, *, dtype: str = "float32", attn_implementation: str =
 
 
 @torch.no_grad()
-def precompute(target, samples, out_dir: str, *, dtype: str = "bfloat16") -> dict:
-    """Run ``target`` (one process) on every sample and write the offline format.
+def precompute(target, samples, out_dir: str, *, dtype: str = "bfloat16",
+               teacher: str = "auto") -> dict:
+    """Run ``target`` (one process, ``run_target``) on every sample and write the offline
+    format (the module's docstring).
 
     Arguments:
         target: from ``load_target`` (any attention implementation).
         samples: an iterable of dicts with ``input_ids`` [S_i] and ``loss_mask`` [S_i].
         out_dir: created if missing; files are overwritten.
-        dtype: of the stored hidden states and logits.
+        dtype: of the stored hidden states, head and logits.
+        teacher: "tiled": version 3 (the final hidden states and the head; the target's
+            head read by ``teacher.teacher_head``, so the transformers integration must be
+            imported); "logits": version 2 (the [S_i, V] logits); "auto": version 3 where
+            the target's head can be read, else version 2.
 
     Returns:
         The index (also written to ``index.json``).
+
+    Raises:
+        ValueError: a bad ``dtype`` or ``teacher``; with "tiled", a head the table cannot
+            read, or logits at the kept position that are not the head's output (named).
     """
     from safetensors.torch import save_file
 
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if teacher not in ("auto", "tiled", "logits"):
+        raise ValueError(f"teacher must be 'auto', 'tiled' or 'logits', got {teacher!r}")
+    head = None
+    if teacher != "logits":
+        try:
+            head = teacher_head(target)[0]
+        except ValueError:
+            if teacher == "tiled":
+                raise
+    store = _DTYPES[dtype]
     os.makedirs(out_dir, exist_ok=True)
     layers = getattr(target, "eagle3_aux_layers", None) or aux_layer_ids(
         target.config.num_hidden_layers)
+    index = {"format": FORMAT, "version": 2 if head is None else VERSION,
+             "aux_layers": list(layers), "target_hidden_size": int(target.config.hidden_size),
+             "vocab_size": int(target.config.vocab_size), "dtype": dtype}
+    head_file = os.path.join(out_dir, HEAD)
+    if head is None:
+        if os.path.exists(head_file):  # a version 3 directory's, now stale
+            os.remove(head_file)
+    else:
+        index["head"] = {"file": HEAD, "family": head.family, "row": list(head.row),
+                         "bias": head.bias is not None}
+        tensors = {"weight": head.weight.to(store, copy=True).contiguous()}
+        if head.bias is not None:
+            tensors["bias"] = head.bias.to(store, copy=True).contiguous()
+        save_file(tensors, head_file)
     entries = []
     for i, sample in enumerate(samples):
         ids = torch.as_tensor(sample["input_ids"], dtype=torch.long).reshape(-1)
-        out, aux = capture_aux_hidden(target, layers, input_ids=ids[None], use_cache=False)
-        aux = aux[0]
+        out = run_target(target, {"input_ids": ids[None]}, aux_layers=layers,
+                         teacher="logits" if head is None else "tiled")
         name = f"sample-{i:06d}.safetensors"
-        save_file({"input_ids": ids.contiguous(),
+        tensors = {"input_ids": ids.contiguous(),
                    "loss_mask": torch.as_tensor(sample["loss_mask"]).reshape(-1).to(torch.uint8),
-                   "aux_hidden": aux.to(_DTYPES[dtype]).contiguous(),
-                   "logits": out.logits[0].to(_DTYPES[dtype]).contiguous()},
-                  os.path.join(out_dir, name))
+                   "aux_hidden": out.aux_hidden[0].to(store).contiguous()}
+        if head is None:
+            tensors["logits"] = out.logits[0].to(store).contiguous()
+        else:
+            tensors["final_hidden"] = out.final_hidden[0].to(store).contiguous()
+        save_file(tensors, os.path.join(out_dir, name))
         entries.append({"file": name, "length": int(ids.numel())})
-    index = {"format": FORMAT, "version": VERSION, "aux_layers": list(layers),
-             "target_hidden_size": int(target.config.hidden_size),
-             "vocab_size": int(target.config.vocab_size), "dtype": dtype, "samples": entries}
+    index["samples"] = entries
     with open(os.path.join(out_dir, "index.json"), "w") as f:
         json.dump(index, f, indent=1)
     return index
 
 
 class OfflineSamples:
-    """The samples ``precompute`` wrote: ``len``, and ``batch(indices, seqlen)`` -> a batch
-    for ``shard_target_outputs`` (rows right padded or cut to ``seqlen``, fp32 tensors).
+    """The samples ``precompute`` wrote (versions 3 and 2): ``len``, ``head`` (version 3:
+    the target's ``TeacherHead``, read once, in the stored dtype; version 2: None) and
+    ``batch(indices, seqlen)`` -> a batch for ``shard_target_outputs`` (rows right padded
+    or cut to ``seqlen``, fp32 tensors): ``input_ids``, ``attention_mask``, ``loss_mask``,
+    ``aux_hidden`` and, version 3, ``final_hidden`` and ``head``; version 2, ``logits``.
+
+    Every file's header is checked when the directory is opened (its tensors are read by
+    ``batch``).
 
     Raises:
-        ValueError: a directory without an index of this format, or a missing sample file.
+        ValueError: a directory without an index of this format, of another version, a
+            missing sample file, or a file whose tensors disagree with ``index.json`` (the
+            names, shapes and dtypes its version stores: a version 2 sample in a version 3
+            directory, a head of another vocabulary or width), naming the file and tensor.
     """
 
     def __init__(self, path: str):
@@ -151,14 +218,80 @@ class OfflineSamples:
             raise ValueError(f"{path!r} holds no readable offline index ({exc})") from exc
         if self.index.get("format") != FORMAT:
             raise ValueError(f"{file} is not a {FORMAT!r} index")
-        if self.index.get("version") != VERSION:
-            raise ValueError(f"{file} is version {self.index.get('version')!r}, not {VERSION} "
-                             f"(version 1 stored the last layer after the final norm, which "
-                             f"servers do not feed the draft): run precompute again")
+        self.version = self.index.get("version")
+        if self.version == 1:
+            raise ValueError(f"{file} is version 1, which stored the last layer after the "
+                             f"final norm (servers do not feed the draft that): run "
+                             f"precompute again")
+        if self.version not in READABLE:
+            raise ValueError(f"{file} is version {self.version!r}; this library reads "
+                             f"versions {READABLE}")
+        if self.index.get("dtype") not in _DTYPES:
+            raise ValueError(f"{file}: dtype {self.index.get('dtype')!r} is not one of "
+                             f"{sorted(_DTYPES)}")
         self.path = str(path)
-        for entry in self.index["samples"]:
-            if not os.path.isfile(os.path.join(self.path, entry["file"])):
-                raise ValueError(f"offline sample {entry['file']!r} is missing from {path!r}")
+        idx = self.index
+        h, v, dtype = idx["target_hidden_size"], idx["vocab_size"], idx["dtype"]
+        teach = ("final_hidden", "H", h) if self.version == 3 else ("logits", "V", v)
+        for entry in idx["samples"]:
+            n = entry["length"]
+            self._check(entry["file"], {
+                "input_ids": ([n], "I64", "int64"), "loss_mask": ([n], "U8", "uint8"),
+                "aux_hidden": ([n, 3 * h], _DTYPE_NAMES[dtype], dtype),
+                teach[0]: ([n, teach[2]], _DTYPE_NAMES[dtype], dtype)},
+                "sample", f"[length={n}], [length, 3H={3 * h}], [length, {teach[1]}={teach[2]}]")
+        head = idx.get("head")
+        if self.version == 2:
+            if os.path.exists(os.path.join(self.path, HEAD)):
+                raise ValueError(f"{os.path.join(self.path, HEAD)} lies in a version 2 "
+                                 f"directory (a version 3 precompute's head: mixed versions); "
+                                 f"run precompute again into an empty directory")
+            return
+        if not isinstance(head, dict) or head.get("file") != HEAD or "row" not in head:
+            raise ValueError(f"{file}: a version 3 index describes its head ({{'file': "
+                             f"{HEAD!r}, 'family', 'row', 'bias'}}), got head={head!r}")
+        want = {"weight": ([v, h], _DTYPE_NAMES[dtype], dtype)}
+        if head.get("bias"):
+            want["bias"] = ([v], _DTYPE_NAMES[dtype], dtype)
+        self._check(HEAD, want, "head", f"[vocab_size={v}, target_hidden_size={h}], [vocab_size]")
+        self._transforms = rebuild_transforms(head["family"], head["row"])
+
+    def _check(self, name: str, want: dict, what: str, shapes: str) -> None:
+        """Raises ValueError unless file ``name`` holds exactly the tensors ``want``
+        ({tensor: (shape, safetensors dtype, our dtype)})."""
+        from safetensors import safe_open
+
+        where = os.path.join(self.path, name)
+        if not os.path.isfile(where):
+            raise ValueError(f"offline file {name!r} is missing from {self.path!r}")
+        with safe_open(where, "pt") as f:
+            held = {k: (list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype())
+                    for k in f.keys()}
+        version = f"a version {self.version} directory's"
+        for key in held.keys() - want.keys():
+            other = " (a version 2 sample: mixed versions; run precompute again into an "                     "empty directory)" if key == "logits" else ""
+            raise ValueError(f"{where} holds {key!r}, which {version} {what} files do "
+                             f"not{other}")
+        for key, (shape, kind, dtype) in want.items():
+            if key not in held:
+                other = " (mixed versions; run precompute again into an empty directory)"                     if key in ("final_hidden", "logits") else ""
+                raise ValueError(f"{where} has no {key!r}, which {version} {what} files "
+                                 f"hold{other}")
+            if held[key] != (shape, kind):
+                raise ValueError(f"{where}: {key!r} is {held[key][1]} {held[key][0]}, but "
+                                 f"index.json says {kind} {shape} ({shapes}; {dtype})")
+
+    @cached_property
+    def head(self) -> TeacherHead | None:
+        """The target's ``TeacherHead`` (version 3; read on first use), or None."""
+        if self.version != 3:
+            return None
+        from safetensors.torch import load_file
+
+        info = self.index["head"]
+        tensors = load_file(os.path.join(self.path, HEAD))
+        return TeacherHead(tensors["weight"], tensors.get("bias"), *self._transforms,
+                           info["family"], tuple(info["row"]))
 
     def __len__(self) -> int:
         return len(self.index["samples"])
@@ -169,20 +302,23 @@ class OfflineSamples:
         rows = [load_file(os.path.join(self.path, self.index["samples"][i]["file"]))
                 for i in indices]
         b = len(rows)
-        width = rows[0]["aux_hidden"].shape[-1]
-        vocab = rows[0]["logits"].shape[-1]
+        h = self.index["target_hidden_size"]
+        teach, width = (("final_hidden", h) if self.version == 3
+                        else ("logits", self.index["vocab_size"]))
         out = {"input_ids": torch.zeros(b, seqlen, dtype=torch.long),
                "attention_mask": torch.zeros(b, seqlen, dtype=torch.long),
                "loss_mask": torch.zeros(b, seqlen, dtype=torch.long),
-               "aux_hidden": torch.zeros(b, seqlen, width),
-               "logits": torch.zeros(b, seqlen, vocab)}
+               "aux_hidden": torch.zeros(b, seqlen, 3 * h),
+               teach: torch.zeros(b, seqlen, width)}
         for r, row in enumerate(rows):
             n = min(seqlen, row["input_ids"].numel())
             out["input_ids"][r, :n] = row["input_ids"][:n]
             out["attention_mask"][r, :n] = 1
             out["loss_mask"][r, :n] = row["loss_mask"][:n].long()
             out["aux_hidden"][r, :n] = row["aux_hidden"][:n].float()
-            out["logits"][r, :n] = row["logits"][:n].float()
+            out[teach][r, :n] = row[teach][:n].float()
+        if self.version == 3:
+            out["head"] = self.head
         return out
 
 

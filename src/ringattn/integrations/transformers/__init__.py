@@ -50,10 +50,10 @@ from .batch import prepare_batch
 from .checks import (BUILT_EAGER, MIXER_FAMILIES, NAME, NOT_ATTENTION_KWARGS, POSITIONS_FROM_MASK,
                      check_model, converted, convertible, global_router_loss, mixers_converted)
 from ...eagle3.target import register_loader
-from ...eagle3.teacher import register_head_reader
+from ...eagle3.teacher import register_head_reader, register_head_transforms
 from .context import average_gradients, context_parallel
 from .convert import convert, load_pretrained
-from .head import teacher_head, tile_problem, tiled_call
+from .head import head_transforms, teacher_head, tile_problem, tiled_call
 from .mixers import convert_mixers
 from .tiled_mlp import tile_mlp, tiled_mlps
 
@@ -80,6 +80,7 @@ the ``mixers/`` files)."""
 # import (eagle3/ sits above integrations/: tests/unit/test_house.py)
 register_loader(NAME, load_pretrained)
 register_head_reader(teacher_head)  # its teacher in tiles reads a target's head by the table
+register_head_transforms(head_transforms)  # and rebuilds a stored head's row of it
 
 
 def check_consumed(ring_context, model=None) -> None:

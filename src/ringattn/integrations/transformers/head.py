@@ -36,8 +36,8 @@ from ...comm import agree, resolve_group
 from ...loss import head_loss
 from ...structure import plain_layer_problem
 
-__all__ = ["TRANSFORMS", "UNTILED", "LogitsNotComputed", "teacher_head", "tile_problem",
-           "tiled_call"]
+__all__ = ["TRANSFORMS", "UNTILED", "LogitsNotComputed", "head_transforms", "teacher_head",
+           "tile_problem", "tiled_call"]
 
 _SOFTCAP = (("div", None), ("tanh", None), ("mul", None))
 TRANSFORMS: dict = {
@@ -119,11 +119,25 @@ def _text_config(model):
 def _transform(model):
     """(the function applied to the head's output, the one applied to its input, a key
     naming both) of this model's family, read from its config now."""
+    family, field, value = _row(model)
+    return _ops(family, field, value)
+
+
+def _row(model):
+    """(this model's family, the config field its head table row reads or None, that
+    field's value now or None)."""
     config = _text_config(model)
-    field, ops = TRANSFORMS.get(getattr(config, "model_type", None), (None, ()))
-    value = getattr(config, field, None) if field else None
+    family = getattr(config, "model_type", None)
+    field = TRANSFORMS.get(family, (None, ()))[0]
+    return family, field, (getattr(config, field, None) if field else None)
+
+
+def _ops(family, field, value):
+    """``_transform``'s triple of ``family``'s head table row applied with ``value`` (None:
+    nothing applied)."""
     if value is None:
         return None, None, ("plain",)
+    ops = TRANSFORMS[family][1]
     after = [op for op, _ in ops if op != "div_input"]
 
     def on_logits(x):
@@ -141,6 +155,23 @@ def _transform(model):
     before = (lambda h: h / value) if any(op == "div_input" for op, _ in ops) else None
     return (on_logits if after else None), before, (field, float(value), tuple(after),
                                                     before is not None)
+
+
+def head_transforms(family: str, field: str, value):
+    """(on_logits, on_input) of ``family``'s head table row with its config field ``field``
+    set to ``value``: a stored head's transforms rebuilt without its model (registered with
+    ``eagle3.teacher.register_head_transforms`` on import).
+
+    Raises:
+        ValueError: the table's row for ``family`` reads another field, or there is none.
+    """
+    want = TRANSFORMS.get(family, (None, ()))[0]
+    if want != field:
+        raise ValueError(f"a stored {family} head applies {field}={value!r}, but the head "
+                         f"table's row for {family} reads "
+                         f"{'no field' if want is None else repr(want)}: it was stored by "
+                         f"another version of the table; store it again")
+    return _ops(family, field, value)[:2]
 
 
 def _decoder(model):
@@ -286,15 +317,17 @@ def teacher_head(model):
     if problem is not None:
         raise ValueError(f"the Eagle3 teacher in tiles cannot read the target's head: "
                          f"{problem}; pass teacher='logits'")
-    on_logits, on_input, _ = _transform(model)
+    family, field, value = _row(model)
+    on_logits, on_input, _ = _ops(family, field, value)
     head = model.get_output_embeddings()
     weight, bias = head.weight, head.bias
     if hasattr(weight, "full_tensor"):  # FSDP2 (a sharded target): the whole head
         weight = weight.full_tensor()
         bias = None if bias is None else bias.full_tensor()
-    family = str(getattr(_text_config(model), "model_type", type(model).__name__))
+    row = () if value is None else (field, value)
+    family = str(family if family is not None else type(model).__name__)
     return (TeacherHead(weight.detach(), None if bias is None else bias.detach(), on_logits,
-                        on_input, family), _decoder(model))
+                        on_input, family, row), _decoder(model))
 
 
 def tiled_call(model, local: dict, tile: int | None, ignore_index: int = -100):
