@@ -344,8 +344,9 @@ def test_training_step_collective_counts(clusters, world):
     t = 7
     for rank, (counts, layers) in enumerate(clusters(world).run(run_step_collectives, 67 + world, t)):
         # target: per layer one metadata agreement and W - 1 hops; one agreement per tensor
-        # shard_batch / run_target shard (input_ids, position_ids, loss_mask)
-        assert counts["target"] == {"agreement": layers + 3,
+        # shard_batch / run_target shard (input_ids, position_ids, loss_mask); one for the
+        # teacher's head check on a target's first call
+        assert counts["target"] == {"agreement": layers + 4,
                                     "batch_isend_irecv": layers * (world - 1)}, (rank, counts)
         # draft: per TTT step one agreement and W - 1 hops; one all_to_all per shifted tensor
         # (teacher, its top token, in-vocabulary flags, loss mask with real-token flags, ids),

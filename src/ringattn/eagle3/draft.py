@@ -24,7 +24,7 @@ every shift reads across shard boundaries through ``Lookahead``, RoPE uses globa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -376,6 +376,10 @@ def run_target(target, batch: dict, *, group=None, layout: str = "zigzag",
         except ValueError:
             if teacher == "tiled":
                 raise
+    if head is not None:  # the head runs under the autocast the caller's region sets
+        dev = head.weight.device.type
+        if torch.is_autocast_enabled(dev):
+            head = replace(head, autocast=torch.get_autocast_dtype(dev))
     from ..batch import shard_batch
 
     ids = batch["input_ids"]

@@ -66,11 +66,16 @@ class TeacherHead:
     ``on_input`` without the model (``rebuild_transforms``): (the config field, its value); ():
     the family applies nothing."""
 
+    autocast: torch.dtype | None = None
+    """The autocast dtype the target's head ran under (``run_target`` called inside an
+    autocast region), or None: the teacher's products run as the head ran, whatever
+    autocast the draft's step runs under."""
+
     def logits(self, h_RH: torch.Tensor) -> torch.Tensor:
         """[R, V] the target's logits of these rows, in the head's dtype (as the model
-        returns them, outside any autocast the draft's step runs under: the target ran
-        before it, without)."""
-        with torch.autocast(h_RH.device.type, enabled=False):
+        returns them: under the autocast it ran under, ``autocast``, and no other)."""
+        with torch.autocast(h_RH.device.type, dtype=self.autocast,
+                            enabled=self.autocast is not None):
             x = h_RH if self.on_input is None else self.on_input(h_RH)
             z = F.linear(x.to(self.weight.dtype), self.weight, self.bias)
             return z if self.on_logits is None else self.on_logits(z)
