@@ -36,7 +36,7 @@ demo-lm: install
 	$(PY) -m ringattn.apps.cli demo --target lm
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --durations=30
 
 # the property-based exactness test with 2000 fresh examples per world size (about 4 minutes)
 test-properties: install
