@@ -104,7 +104,9 @@ def target_vs_one_process(families, layout: str):
         cp = run_target(cp_target, batch, group=group, layout=layout, aux_layers=(0, 1, 3))
         one = run_target(one_target, batch, aux_layers=(0, 1, 3))
         errs = {}
-        for name in ("aux_hidden", "logits"):  # on the real tokens (not right padding)
+        # on the real tokens (not right padding); the teacher's input: the final hidden
+        # states (the teacher in tiles) or the logits (a head it cannot read)
+        for name in ("aux_hidden", "logits" if cp.logits is not None else "final_hidden"):
             got = ra.unshard(getattr(cp, name), group=group, layout=layout, dim=1,
                              seqlen=SEQLEN)
             errs[name] = rel_err(got[keep], getattr(one, name)[keep])
