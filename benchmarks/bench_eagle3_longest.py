@@ -169,7 +169,11 @@ def run(args, out: Path) -> dict:
             "fixed": [], "flat": [], "search": [], "time": None}
     t0 = time.monotonic()
     bar = tqdm(unit="step", dynamic_ncols=True)
-    for w in args.worlds:
+    if args.time_only:  # keep the memory runs of the last run, measure the times again
+        old = json.loads((out / "eagle3_longest.json").read_text())
+        data.update({k: old[k] for k in ("fixed", "flat", "search", "options", "model")})
+        args.worlds = [2]
+    for w in ([] if args.time_only else args.worlds):
         cluster = Cluster(w, memory=True)
         try:
             for teacher in TEACHERS:
@@ -317,6 +321,8 @@ def main(argv=None) -> None:
     ap.add_argument("--time-s", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-time", action="store_true")
+    ap.add_argument("--time-only", action="store_true",
+                    help="keep the last run's memory results, measure the step times again")
     ap.add_argument("--quick", action="store_true",
                     help="V 8192, Vd 2048, cap 32 MiB, W 1 and 2 (a smoke run)")
     ap.add_argument("--out", type=Path, default=None)
