@@ -305,6 +305,7 @@ def run(args, out: Path) -> dict:
             if args.time_only:
                 data["time"] = None
                 args.worlds = [2]
+                data["machine"], data["elapsed_s"] = old["machine"], old.get("elapsed_s")
     done = {(r["method"], r["W"]) for r in data["search"]}
     t0 = time.monotonic()
     bar = tqdm(unit="step", dynamic_ncols=True)
@@ -362,7 +363,11 @@ def run(args, out: Path) -> dict:
         write_json(out / "longest.json", data)
     bar.close()
     data["summary"] = summarize(data)
-    data["elapsed_s"] = round(time.monotonic() - t0, 1)
+    if args.time_only:  # the searches' machine info and time stay; this run's beside them
+        data["time"]["machine"] = machine_info()
+        data["time"]["elapsed_s"] = round(time.monotonic() - t0, 1)
+    else:
+        data["elapsed_s"] = round(time.monotonic() - t0, 1)
     write_json(out / "longest.json", data)
     return data
 
