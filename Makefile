@@ -122,7 +122,8 @@ ALST_PY   := $(ALST_VENV)/bin/python
 $(ALST_VENV)/.installed: pyproject.toml
 	test -x $(ALST_PY) || $(PYTHON) -m venv $(ALST_VENV)
 	# torch first, pinned (an unpinned torch would pull a multi-GB CUDA build)
-	$(ALST_PY) -m pip install -q "$(TORCH_PIN)"
+	$(ALST_PY) -m pip install -q "$(TORCH_CPU)" 2>/dev/null || \
+		$(ALST_PY) -m pip install -q "$(TORCH_CPU)" --extra-index-url $(TORCH_CPU_INDEX)
 	$(ALST_PY) -m pip install -q "$(TORCH_PIN)" "deepspeed==0.19.8" "transformers==5.24.0" \
 		"accelerate==1.15.0" "ninja==1.13.2"
 	$(ALST_PY) -m pip install -q -e . --no-deps
