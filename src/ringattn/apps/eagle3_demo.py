@@ -60,8 +60,11 @@ def _plot(result: dict, path: str) -> None:
 
     cfg, world = result["config"], result["world"]
     steps = range(1, len(result["cp_loss"]) + 1)
-    fig, (ax_loss, ax_acc, ax_diff) = plt.subplots(
-        3, 1, figsize=(8, 9), sharex=True, gridspec_kw={"height_ratios": [2, 2, 1.2]})
+    fig = plt.figure(figsize=(8, 12), layout="constrained")
+    curves, by_position = fig.subfigures(2, 1, height_ratios=[5.4, 2.2])
+    ax_loss, ax_acc, ax_diff = curves.subplots(
+        3, 1, sharex=True, gridspec_kw={"height_ratios": [2, 2, 1.2]})
+    ax_pos = by_position.subplots()
     ax_loss.plot(steps, result["single_loss"], color="tab:blue", lw=3, alpha=0.45,
                  label="one process (dense TTT mask)")
     ax_loss.plot(steps, result["cp_loss"], color="tab:blue", lw=1, ls="--",
@@ -88,13 +91,47 @@ def _plot(result: dict, path: str) -> None:
     ax_diff.legend(loc="upper left", fontsize="small")
     for ax in (ax_loss, ax_acc, ax_diff):
         ax.grid(alpha=0.3)
+    _plot_by_position(ax_pos, result["accepted_per_round"], cfg["seqlen"])
     ax_loss.set_title(
         f"Eagle3 draft (transformers Llama target), S={cfg['seqlen']}, {t} TTT steps, "
         f"layout={cfg['layout']}\nCP on {world} gloo ranks vs one process, same seed and "
         f"batches", fontsize="medium")
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _fmt(x) -> str:
+    """A bucket's number, 2 decimals; "-" for a bucket without rounds."""
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _plot_by_position(ax, accepted: dict, seqlen: int) -> None:
+    """Bars: mean tokens per round (accepted + 1) of the trained and the untrained draft in
+    each bucket of speculation start positions, the trained draft's rounds written above."""
+    trained, untrained = (accepted["by_position"][k] for k in ("trained", "untrained"))
+    x = range(len(trained))
+    for shift, buckets, color, name in ((-0.2, trained, "tab:blue", "exported draft"),
+                                        (0.2, untrained, "tab:gray", "untrained draft")):
+        heights = [b["mean_accepted_per_round"] or 0.0 for b in buckets]
+        ax.bar([i + shift for i in x], heights, width=0.38, color=color, label=name)
+    for i, b in zip(x, trained):
+        ax.annotate(f"{_fmt(b['mean_accepted_per_round'])}\n{b['rounds']} rounds",
+                    (i - 0.2, b["mean_accepted_per_round"] or 0.0), ha="center",
+                    va="bottom", fontsize="x-small")
+    top = max([b["mean_accepted_per_round"] or 0.0 for b in trained + untrained] + [1.0])
+    ax.set_ylim(0, top * 1.35)
+    ax.axhline(1.0, color="tab:red", ls=":", lw=1, label="nothing accepted (1 token)")
+    ax.set_xticks(list(x), [b["label"] for b in trained])
+    ax.set_xlabel("position where the speculation starts (verified tokens before the round)")
+    ax.set_ylabel("tokens per round")
+    ax.legend(fontsize="small", loc="lower right")
+    ax.grid(alpha=0.3, axis="y")
+    ax.set_title(
+        f"speculative decoding, {accepted['draft_len']} proposals per round, by start position "
+        f"(demo buckets: S={seqlen} rows fill\nonly the default buckets' first, [0, 1024)); "
+        f"{accepted['new_tokens']} new tokens after each of {accepted['prompts']} prompts of "
+        f"{min(accepted['prompt_lengths'])}..{max(accepted['prompt_lengths'])} tokens",
+        fontsize="small")
 
 
 CHAT_WORDS = ("the", "a", "cat", "dog", "sat", "ran", "on", "under", "mat", "tree", "is",
@@ -181,15 +218,26 @@ def run_chat_demo(world: int, out_dir: str, *, steps: int = 20, verbose: bool = 
 DRAFT_LEN = 4
 """Proposals per speculative-decoding round in the demo's acceptance measurement."""
 
+PROMPT_LENGTHS = tuple(range(8, 240, 15))
+"""The 16 prompts' lengths (random tokens, as trained on): spread over the trained S=250."""
+
+NEW_TOKENS = 11
+"""Tokens generated per prompt: at least 2 rounds, 10 when nothing is accepted."""
+
+BUCKETS = (0, 64, 128, 192)
+"""The demo's context-position buckets: its rows are 250 tokens, which fill only
+``evaluate.DEFAULT_BUCKETS``' first bucket, [0, 1024)."""
+
 
 def _acceptance(cfg: Eagle3Config, out_dir: str) -> dict:
     """Mean tokens per verification round of speculative decoding with the CP run's exported
-    draft (loaded back from ``out_dir/draft-sglang``) and with an untrained draft, one round
-    after each of 16 prompts from the training distribution (random tokens), checking that
-    the output equals the target's greedy generation."""
+    draft (loaded back from ``out_dir/draft-sglang``) and with an untrained draft, overall
+    and per bucket of ``BUCKETS`` (where a round's speculation starts), over ``NEW_TOKENS``
+    generated after each of 16 prompts of ``PROMPT_LENGTHS`` from the training distribution
+    (random tokens)."""
     import torch
 
-    from ..eagle3.evaluate import speculative_generate
+    from ..eagle3.evaluate import acceptance
     from ..eagle3.export import load_draft
     from .eagle3_train import _draft_ids, build_draft, build_target
 
@@ -198,16 +246,17 @@ def _acceptance(cfg: Eagle3Config, out_dir: str) -> dict:
                          embed_tokens=target.get_input_embeddings().weight.detach())
     untrained = build_draft(cfg, target, _draft_ids(cfg, target, None))
     prompts = [torch.randint(cfg.vocab, (n,), generator=torch.Generator().manual_seed(100 + n))
-               for n in range(8, 24)]
-    result = {"rounds": len(prompts)}
+               for n in PROMPT_LENGTHS]
+    result = {"prompts": len(prompts), "prompt_lengths": list(PROMPT_LENGTHS),
+              "new_tokens": NEW_TOKENS, "draft_len": DRAFT_LEN, "buckets": list(BUCKETS),
+              "rounds": {}, "acceptance_rate": {}, "by_position": {}}
     for name, draft in (("trained", trained), ("untrained", untrained)):
-        per_round = []
-        for p in prompts:
-            tokens, rounds = speculative_generate(target, draft.eval(), p,
-                                                  max_new_tokens=DRAFT_LEN + 1,
-                                                  draft_len=DRAFT_LEN)
-            per_round += rounds
-        result[name] = sum(per_round) / len(per_round)
+        res = acceptance(target, draft.eval(), prompts, max_new_tokens=NEW_TOKENS,
+                         draft_len=DRAFT_LEN, buckets=BUCKETS)
+        result[name] = res["mean_accepted_per_round"]
+        result["rounds"][name] = res["rounds"]
+        result["acceptance_rate"][name] = res["acceptance_rate"]
+        result["by_position"][name] = res["by_position"]
     return result
 
 
@@ -220,10 +269,13 @@ def run_eagle3_demo(world: int = 2, steps: int = Eagle3Config.steps, out_dir: st
         dict with ``config``, ``world``, per-step ``cp_loss``, ``single_loss``,
         ``rel_diff``, per-TTT-step accuracy lists ``cp_accuracy``/``single_accuracy``,
         ``max_rel_diff``, ``max_acc_diff``, ``tolerance``, ``shard_ranges``, ``seconds``,
-        ``tokens_per_s``, ``peak_rss_mib`` and ``failures`` (empty on success; the learning
-        check applies to runs of at least ``LEARN_STEPS`` steps: ``learning_judged``). Also
-        written to
-        ``out_dir/eagle3.json``, with the plot ``out_dir/eagle3.png``.
+        ``tokens_per_s``, ``peak_rss_mib``, ``accepted_per_round`` (speculative decoding
+        with the exported and an untrained draft: ``trained``, ``untrained`` tokens per
+        round, ``rounds``, ``acceptance_rate`` and ``by_position``, each per draft, the last
+        ``evaluate.by_position``'s buckets of ``BUCKETS``), ``chat`` and ``failures`` (empty
+        on success; the learning check applies to runs of at least ``LEARN_STEPS`` steps:
+        ``learning_judged``). Also written to ``out_dir/eagle3.json``, with the plot
+        ``out_dir/eagle3.png``.
 
     Raises:
         ValueError: a bad argument (also ``seqlen`` below ``SYNTHETIC_MIN_SEQLEN``, where
@@ -295,8 +347,15 @@ def run_eagle3_demo(world: int = 2, steps: int = Eagle3Config.steps, out_dir: st
               f"wrote {os.path.join(out_dir, 'eagle3.json')} and eagle3.png")
         print(f"speculative decoding with the exported draft ({out_dir}/draft-sglang, and "
               f"draft-speculators for vLLM): {accepted['trained']:.2f} tokens per target "
-              f"forward (untrained draft: {accepted['untrained']:.2f}; {accepted['rounds']} "
-              f"rounds of {DRAFT_LEN} proposals); output = the target's greedy generation")
+              f"forward (untrained draft: {accepted['untrained']:.2f}; "
+              f"{accepted['rounds']['trained']} rounds of {DRAFT_LEN} proposals, "
+              f"{NEW_TOKENS} new tokens after each of {accepted['prompts']} prompts of "
+              f"{PROMPT_LENGTHS[0]}..{PROMPT_LENGTHS[-1]} tokens); output = the target's "
+              f"greedy generation\nby where the speculation starts: " + "; ".join(
+                  f"{t['label']} {_fmt(t['mean_accepted_per_round'])} (untrained "
+                  f"{_fmt(u['mean_accepted_per_round'])}, {t['rounds']} rounds)"
+                  for t, u in zip(accepted["by_position"]["trained"],
+                                  accepted["by_position"]["untrained"])))
     return result
 
 

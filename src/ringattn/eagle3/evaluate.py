@@ -28,6 +28,12 @@ proposals equal to its greedy tokens is accepted and its own next token appended
 adds accepted + 1 tokens, and every token is the target's greedy choice: the output equals
 the target's greedy generation, token for token, whatever the draft.
 
+Acceptance against context length: a round's ``position`` is where its speculation starts,
+S (the verified tokens before it; d_1 sits at index S). ``acceptance`` reports, besides the
+overall numbers, each bucket of positions ``[buckets[i], buckets[i + 1])`` (the last one
+open ended): its rounds, mean tokens per round and acceptance rate (``by_position``, a pure
+function of the per-round records ``speculation_rounds`` returns).
+
 Correctness over speed: every round runs the target and the draft's step 0 over the whole
 sequence again (no KV caches), O(S) work per round; fine for evaluation on CPU.
 """
@@ -35,14 +41,35 @@ sequence again (no KV caches), O(S) work per round; fine for evaluation on CPU.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from .attention import dense_ttt_attention
 from .draft import Eagle3Draft, aux_layer_ids, capture_aux_hidden, eagle3_step, run_target
 
-__all__ = ["speculative_generate", "mean_accepted_length", "acceptance", "draft_chain",
+__all__ = ["DEFAULT_BUCKETS", "Round", "speculative_generate", "speculation_rounds",
+           "by_position", "mean_accepted_length", "acceptance", "draft_chain",
            "held_out_accuracy"]
+
+DEFAULT_BUCKETS = (0, 1024, 4096, 16384, 65536)
+"""Lower edges of the context-position buckets: [0, 1k), [1k, 4k), [4k, 16k), [16k, 64k),
+[64k, inf) (k = 1024)."""
+
+
+@dataclass(frozen=True)
+class Round:
+    """One verification round of speculative decoding."""
+
+    prompt: int
+    """Index of its prompt among those evaluated."""
+    position: int
+    """Where its speculation starts: S, the verified tokens (prompt + generated) before it,
+    which is also the index of its first proposal."""
+    proposed: int
+    """Proposals it made (``draft_len``, fewer when fewer tokens remained)."""
+    accepted: int
+    """Proposals the target accepted; the round added ``accepted + 1`` tokens."""
 
 
 def _aux_layers(target, draft: Eagle3Draft) -> tuple[int, ...]:
@@ -188,14 +215,15 @@ def speculative_generate(target, draft: Eagle3Draft, input_ids, *, max_new_token
         ValueError: a bad prompt, ``max_new_tokens`` or ``draft_len``, or a draft for another
             vocabulary.
     """
-    new, per_round, _ = _generate(target, draft, input_ids, max_new_tokens, draft_len)
-    return new, per_round
+    new, rounds = _generate(target, draft, input_ids, max_new_tokens, draft_len)
+    return new, [r.accepted + 1 for r in rounds]
 
 
 @torch.no_grad()
-def _generate(target, draft: Eagle3Draft, input_ids, max_new_tokens: int,
-              draft_len: int) -> tuple[list[int], list[int], list[int]]:
-    """``speculative_generate``, also returning how many tokens each round proposed."""
+def _generate(target, draft: Eagle3Draft, input_ids, max_new_tokens: int, draft_len: int,
+              prompt: int = 0) -> tuple[list[int], list[Round]]:
+    """``speculative_generate``, returning each round's record (with prompt index
+    ``prompt``)."""
     _check_lengths(max_new_tokens, draft_len)
     ids = _check_prompt(input_ids, target)
     if draft.t2d.numel() != target.config.vocab_size:
@@ -203,7 +231,7 @@ def _generate(target, draft: Eagle3Draft, input_ids, max_new_tokens: int,
                          f"target has {target.config.vocab_size}")
     layers, eos = _aux_layers(target, draft), _eos_ids(target)
     greedy, aux = _target_forward(target, ids, layers)  # the prefill
-    new, per_round, proposed = [int(greedy[-1])], [], []
+    new, rounds = [int(greedy[-1])], []
     while len(new) < max_new_tokens and new[-1] not in eos:
         seq = torch.cat([ids, torch.tensor([new], device=ids.device)], dim=1)  # verified
         proposals = _propose(draft, seq, aux, min(draft_len, max_new_tokens - len(new)))
@@ -213,47 +241,129 @@ def _generate(target, draft: Eagle3Draft, input_ids, max_new_tokens: int,
         accepted = 0
         while accepted < len(proposals) and proposals[accepted] == greedy[accepted]:
             accepted += 1
-        per_round.append(accepted + 1)
-        proposed.append(len(proposals))
+        rounds.append(Round(prompt=prompt, position=seq.shape[1], proposed=len(proposals),
+                            accepted=accepted))
         for t in proposals[:accepted] + [greedy[accepted]]:
             if len(new) == max_new_tokens or new[-1] in eos:
                 break
             new.append(t)
-    return new, per_round, proposed
+    return new, rounds
 
 
-def acceptance(target, draft: Eagle3Draft, prompts, *, max_new_tokens: int,
-               draft_len: int = 3) -> dict:
-    """Speculative decoding's acceptance over ``prompts``: what a server reports.
+def speculation_rounds(target, draft: Eagle3Draft, prompts, *, max_new_tokens: int,
+                       draft_len: int = 4) -> list[Round]:
+    """Every verification round of ``speculative_generate`` over ``prompts``, in order.
 
     Arguments:
         prompts: an iterable of [S] or [1, S] prompts.
         max_new_tokens, draft_len: as for ``speculative_generate``.
 
     Returns:
-        ``{"mean_accepted_per_round": tokens per round (accepted + 1), "per_position":
-        [draft_len] the share of rounds proposing position p whose position p was accepted,
-        "rounds": rounds}``.
+        One ``Round`` per round (prompt index, position, proposed, accepted); empty when no
+        round ran.
 
     Raises:
-        ValueError: no round ran, or as ``speculative_generate``.
+        ValueError: as ``speculative_generate``.
     """
-    rounds: list[int] = []
-    accepted = [0] * draft_len
-    offered = [0] * draft_len
-    for prompt in prompts:
-        _, per_round, proposed = _generate(target, draft, prompt, max_new_tokens, draft_len)
-        rounds += per_round
-        for n, k in zip(per_round, proposed):
-            for p in range(k):
-                offered[p] += 1
-                accepted[p] += int(n - 1 > p)
+    rounds: list[Round] = []
+    for i, prompt in enumerate(prompts):
+        rounds += _generate(target, draft, prompt, max_new_tokens, draft_len, prompt=i)[1]
+    return rounds
+
+
+def _check_buckets(buckets) -> tuple[int, ...]:
+    """``buckets`` as a tuple of ints.
+
+    Raises:
+        ValueError: empty, not ints, not starting at 0, or not strictly increasing.
+    """
+    try:
+        edges = tuple(buckets)
+    except TypeError:
+        edges = None
+    if (not edges or any(not isinstance(e, int) or isinstance(e, bool) for e in edges)
+            or edges[0] != 0 or any(a >= b for a, b in zip(edges, edges[1:]))):
+        raise ValueError(f"buckets must be strictly increasing int lower edges starting at 0 "
+                         f"(e.g. {DEFAULT_BUCKETS}), got {buckets!r}")
+    return edges
+
+
+def by_position(rounds, buckets=DEFAULT_BUCKETS) -> list[dict]:
+    """Acceptance per bucket of speculation start positions (``Round.position``).
+
+    Bucket i holds the rounds with ``buckets[i] <= position < buckets[i + 1]`` (the last:
+    ``position >= buckets[-1]``); a position on an edge belongs to the bucket it opens.
+
+    Arguments:
+        rounds: ``Round`` records (``speculation_rounds``).
+        buckets: strictly increasing lower edges, the first 0: ``(0,)`` is one bucket of
+            every round. Default ``DEFAULT_BUCKETS``.
+
+    Returns:
+        One dict per bucket, in order: ``start``, ``end`` (None: open ended), ``label``
+        (``"[start, end)"``), ``rounds`` (its count), ``mean_accepted_per_round`` (mean
+        tokens per round, accepted + 1, as ``mean_accepted_length``) and
+        ``acceptance_rate`` (accepted / proposed proposals); both None in a bucket without
+        rounds.
+
+    Raises:
+        ValueError: bad ``buckets`` (naming them), or a negative position.
+    """
+    edges = _check_buckets(buckets)
+    sums = [[0, 0, 0, 0] for _ in edges]  # rounds, tokens, accepted, proposed
+    for r in rounds:
+        if r.position < 0:
+            raise ValueError(f"a round starts at position {r.position} < 0")
+        i = next(i for i in range(len(edges) - 1, -1, -1) if r.position >= edges[i])
+        for k, v in enumerate((1, r.accepted + 1, r.accepted, r.proposed)):
+            sums[i][k] += v
+    out = []
+    for i, (n, tokens, accepted, proposed) in enumerate(sums):
+        end = edges[i + 1] if i + 1 < len(edges) else None
+        out.append({"start": edges[i], "end": end,
+                    "label": f"[{edges[i]}, {'inf' if end is None else end})", "rounds": n,
+                    "mean_accepted_per_round": tokens / n if n else None,
+                    "acceptance_rate": accepted / proposed if proposed else None})
+    return out
+
+
+def acceptance(target, draft: Eagle3Draft, prompts, *, max_new_tokens: int,
+               draft_len: int = 3, buckets=DEFAULT_BUCKETS) -> dict:
+    """Speculative decoding's acceptance over ``prompts``: what a server reports, overall and
+    per bucket of context positions.
+
+    Arguments:
+        prompts: an iterable of [S] or [1, S] prompts.
+        max_new_tokens, draft_len: as for ``speculative_generate``.
+        buckets: lower edges of the position buckets, as for ``by_position`` (checked
+            before any round runs).
+
+    Returns:
+        ``{"mean_accepted_per_round": tokens per round (accepted + 1), "acceptance_rate":
+        accepted / proposed proposals, "per_position": [draft_len] the share of rounds
+        proposing draft position p whose position p was accepted, "rounds": rounds,
+        "by_position": by_position(the rounds, buckets)}``. The overall numbers are the
+        buckets' weighted by their rounds (mean) and their proposals (rate).
+
+    Raises:
+        ValueError: no round ran, bad ``buckets``, or as ``speculative_generate``.
+    """
+    _check_buckets(buckets)
+    rounds = speculation_rounds(target, draft, prompts, max_new_tokens=max_new_tokens,
+                                draft_len=draft_len)
     if not rounds:
         raise ValueError(f"no verification round ran (prompts empty, or max_new_tokens="
                          f"{max_new_tokens} ended generation at the prefill's token)")
-    return {"mean_accepted_per_round": sum(rounds) / len(rounds),
+    accepted = [0] * draft_len
+    offered = [0] * draft_len
+    for r in rounds:
+        for p in range(r.proposed):
+            offered[p] += 1
+            accepted[p] += int(r.accepted > p)
+    return {"mean_accepted_per_round": sum(r.accepted + 1 for r in rounds) / len(rounds),
+            "acceptance_rate": sum(accepted) / sum(offered),
             "per_position": [a / o if o else float("nan") for a, o in zip(accepted, offered)],
-            "rounds": len(rounds)}
+            "rounds": len(rounds), "by_position": by_position(rounds, buckets)}
 
 
 def mean_accepted_length(target, draft: Eagle3Draft, prompts, *, max_new_tokens: int,
