@@ -52,6 +52,19 @@ def step_errors(res, draft, one, draft_one, ttt_steps: int) -> dict:
     return errs
 
 
+def _judged(worst_errors, what: str, errs: dict, tol: float, where: str) -> list[str]:
+    """Record ``errs`` ({name: relative error}) in the session's worst errors under
+    ``what`` and return a line for each above ``tol`` (a NaN is above it)."""
+    bad = []
+    for name, err in errs.items():
+        key = ("float32", f"{what} " + name.split(" ")[0])
+        if key not in worst_errors or err > worst_errors[key][0]:
+            worst_errors[key] = (err, tol)
+        if not err <= tol:
+            bad.append(f"{where} {name}: {err:.2e}")
+    return bad
+
+
 def run_step_vs_one_process(layout, seqlen, ttt_steps, strategy="ring", mesh_shape=None):
     """Rank side: relative differences of the CP step from the one-process dense step
     (target and draft attention by ``strategy``; the hybrid on a mesh of ``mesh_shape``)."""
@@ -304,12 +317,8 @@ def test_offline_sharded_target_outputs_equal_one_process(clusters, worst_errors
     for rank, cases in enumerate(clusters(world).run(run_offline_vs_one_process, layout,
                                                      timeout=280)):
         for case, errs in cases.items():
-            for name, err in errs.items():
-                key = ("float32", "eagle3 offline " + name.split(" ")[0])
-                if key not in worst_errors or err > worst_errors[key][0]:
-                    worst_errors[key] = (err, OFFLINE_TOL)
-                if not err <= OFFLINE_TOL:
-                    bad.append(f"W={world} {layout} rank {rank} {case} {name}: {err:.2e}")
+            bad += _judged(worst_errors, "eagle3 offline", errs, OFFLINE_TOL,
+                           f"W={world} {layout} rank {rank} {case}")
     assert not bad, "\n".join(bad)
 
 
@@ -574,12 +583,8 @@ def test_the_teacher_in_tiles_equals_the_teacher_from_logits(clusters, worst_err
         for rank, (errs, no_logits, top) in enumerate(
                 clusters(world).run(run_tiled_vs_logits, layout, kind, tile, timeout=280)):
             assert no_logits and top, (rank, layout, kind)
-            for name, err in errs.items():
-                key = ("float32", "eagle3 tiled " + name.split(" ")[0])
-                if key not in worst_errors or err > worst_errors[key][0]:
-                    worst_errors[key] = (err, TILED_TOL)
-                if not err <= TILED_TOL:
-                    bad.append(f"W={world} {layout} {kind} tile {tile} rank {rank} {name}: {err:.2e}")
+            bad += _judged(worst_errors, "eagle3 tiled", errs, TILED_TOL,
+                           f"W={world} {layout} {kind} tile {tile} rank {rank}")
     assert not bad, "\n".join(bad)
 
 
