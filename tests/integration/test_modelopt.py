@@ -35,9 +35,14 @@ from ringattn.integrations import modelopt as ra_mo
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, SEQ, STEPS = 128, 64, 4, 2, 16, 13, 5
 LENGTHS = (13, 9, 11)
-CASES = [  # (draft vocabulary (0: the target's), offline, ttt_padding)
-    (64, False, "modelopt"), (0, False, "modelopt"), (64, True, "modelopt"),
-    (0, True, "modelopt"), (64, False, "every_step"),
+CASES = [  # (draft vocabulary (0: the target's), offline, ttt_padding, teacher, tile)
+    (64, False, "modelopt", "auto", "16MiB"), (0, False, "modelopt", "auto", "16MiB"),
+    (64, True, "modelopt", "auto", "16MiB"), (0, True, "modelopt", "auto", "16MiB"),
+    (64, False, "every_step", "auto", "16MiB"),
+    # tiles of 2 and 5 rows: several per shard, the last one short
+    (64, False, "modelopt", "tiled", 2), (0, True, "every_step", "tiled", 5),
+    # ModelOpt's [L, V] base logits and [L, Vd] draft logits
+    (64, False, "modelopt", "logits", "16MiB"), (0, True, "modelopt", "logits", "16MiB"),
 ]
 
 
@@ -152,7 +157,7 @@ def cp_against_one_process(cases, references, strategy="ring"):
     ra_mo.register(LlamaForCausalLM)
     group = dist.group.WORLD
     out = {}
-    for draft_vocab, offline, padding in cases:
+    for draft_vocab, offline, padding, teacher, tile in cases:
         ref_losses, ref_grads, state = references[(draft_vocab, offline)]
         model = _convert(_target(LlamaForCausalLM, "ringattn"), draft_vocab, offline)
         assert isinstance(model, ra_mo.RingEagleModel), type(model).__mro__
@@ -163,7 +168,10 @@ def cp_against_one_process(cases, references, strategy="ring"):
         for step, batch in enumerate(_data(draft_vocab, offline)):
             opt.zero_grad(set_to_none=True)
             local = ra_mo.shard_eagle_batch(batch, group=group, strategy=strategy)
-            res = model(**local, ttt_padding=padding)
+            res = model(**local, ttt_padding=padding, teacher=teacher, tile=tile)
+            # the tiles ran (no logits tensor), or ModelOpt's logits path
+            assert isinstance(res.logits, ra_mo.LogitsNotComputed) == (teacher != "logits"), \
+                (teacher, type(res.logits))
             res.loss.backward()
             for p in params:
                 dist.all_reduce(p.grad, group=group)
@@ -175,7 +183,7 @@ def cp_against_one_process(cases, references, strategy="ring"):
             assert sorted(got) == sorted(ref_grads[step]), (sorted(got), sorted(ref_grads[step]))
             grad_err = max(grad_err, *(rel_err(got[n], ref_grads[step][n]) for n in got))
             opt.step()
-        out[(draft_vocab, offline, padding)] = (loss_err, grad_err, losses)
+        out[(draft_vocab, offline, padding, teacher, tile)] = (loss_err, grad_err, losses)
     return out
 
 
@@ -205,6 +213,19 @@ def refusals():
     left = {**batch, "attention_mask": batch["attention_mask"].flip(1)}
     attempt("left padding", left)
     attempt("ttt_padding", ttt_padding="always")
+    attempt("teacher", teacher="logit")
+    attempt("tile", tile=0)
+    # a hook on a head: its weights are not all it computes. "tiled" is refused by name;
+    # "auto" runs ModelOpt's logits path (out.logits a tensor)
+    for what, head in (("hooked draft head", model.eagle_module.lm_head),
+                       ("hooked target head", model.lm_head)):
+        handle = head.register_forward_hook(lambda m, a, o: o)
+        try:
+            attempt(what, teacher="tiled")
+            out = model(**ra_mo.shard_eagle_batch(batch), teacher="auto")
+            found[what + ", auto"] = type(out.logits).__name__
+        finally:
+            handle.remove()
     return found
 
 
@@ -262,9 +283,14 @@ def test_refusals_are_the_same_on_every_rank(clusters):
     names = {"eagle_mix_hidden_states": "eagle_mix_hidden_states",
              "eagle_base_lora": "eagle_base_lora", "eagle_freeze_base_model":
              "eagle_freeze_base_model", "eagle_decoder_type": "eagle_decoder_type='kimik2'",
-             "left padding": "left padding", "ttt_padding": "ttt_padding='always'"}
+             "left padding": "left padding", "ttt_padding": "ttt_padding='always'",
+             "teacher": "teacher='logit'", "tile": "tile"}
     for what, name in names.items():
         assert found[0][what].startswith("ValueError") and name in found[0][what], found[0]
+    assert "the draft's lm_head is not read as a plain linear" in found[0]["hooked draft head"]
+    assert "cannot read the target's head" in found[0]["hooked target head"], found[0]
+    assert found[0]["hooked draft head, auto"] == "Tensor", found[0]
+    assert found[0]["hooked target head, auto"] == "Tensor", found[0]
 
 
 def test_register_and_trainer_refusals():

@@ -230,7 +230,7 @@ class _TiledTTT(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight, bias, spec, *normed):
-        (teacher, rows, ahead, ext_hidden, actives, scale, decays, want) = spec
+        (teacher, rows, ahead, ext_hidden, actives, scale, decays, want, top_of) = spec
         steps = len(normed)
         dev = weight.device.type
         cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
@@ -256,7 +256,10 @@ class _TiledTTT(torch.autograd.Function):
                 dx = torch.empty_like(flat) if need_x else None
                 for start in range(0, b_ * n, rows):
                     sl = slice(start, start + rows)
-                    p = torch.softmax(teacher.logits(t_rows[sl]).float(), dim=-1)  # [R, Vd]
+                    zt = teacher.logits(t_rows[sl])
+                    p = torch.softmax(zt.float(), dim=-1)  # [R, Vd]
+                    top = (p if top_of == "probs" else zt).argmax(-1)
+                    del zt
                     h = flat[sl] if cast is None else flat[sl].to(cast)
                     z = F.linear(h, wc, bc).float()  # [R, Vd]
                     lse = torch.logsumexp(z, dim=-1)
@@ -264,7 +267,7 @@ class _TiledTTT(torch.autograd.Function):
                     ce = lse * mass - torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1)
                     act = active[sl]
                     losses[j] += ((ce * act).sum() * scale).double()
-                    hits[j] += ((z.argmax(-1) == p.argmax(-1)) & act).sum().double()
+                    hits[j] += ((z.argmax(-1) == top) & act.bool()).sum().double()
                     if not (need_x or need_w or need_b):
                         continue
                     coef = act.to(torch.float32) * (scale * decays[j])
@@ -300,13 +303,16 @@ class _TiledTTT(torch.autograd.Function):
 
 
 def tiled_ttt_loss(draft_head, normed: list, teacher: TeacherHead, ahead, ext_hidden,
-                   actives: list, scale: float, decays: list, tile):
+                   actives: list, scale: float, decays: list, tile, *, top_of: str = "probs"):
     """The sum over TTT steps j of ``decays[j]`` x loss j, loss j being ``scale`` x the soft
     cross-entropy, summed over the ``actives[j]`` rows, of the draft's logits
     ``draft_head(normed[j])`` against
     the teacher at position i + 1 + j (its final hidden rows read through ``ahead`` from
     ``ext_hidden``, through ``teacher``, the target's head restricted to the draft
-    vocabulary), one tile of rows at a time.
+    vocabulary), one tile of rows at a time. ``actives[j]``: bool, or float weights (a row
+    counts in the accuracy where its weight is not 0). ``top_of``: the teacher's top draft
+    token is the argmax of its "probs" (``eagle3_step``'s rule) or of its "logits"
+    (ModelOpt's; they differ where two logits round to one probability).
 
     Returns:
         (the total, a 0-d float32 tensor to backward; [T] float64 losses j (this rank's
@@ -321,8 +327,10 @@ def tiled_ttt_loss(draft_head, normed: list, teacher: TeacherHead, ahead, ext_hi
     rows = tile_rows(tile, weight.shape[0], torch.float32, "tile")
     want = torch.is_grad_enabled() and (weight.requires_grad or any(x.requires_grad
                                                                     for x in normed))
+    if top_of not in ("probs", "logits"):
+        raise ValueError(f"top_of must be 'probs' or 'logits', got {top_of!r}")
     spec = (teacher, rows, ahead, ext_hidden, actives, float(scale), [float(d) for d in decays],
-            want)
+            want, top_of)
     return _TiledTTT.apply(weight, bias, spec, *normed)
 
 

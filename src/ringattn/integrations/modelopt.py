@@ -34,7 +34,7 @@ step-0 keys ride the ring; the keys of the later TTT steps stay beside their que
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -50,18 +50,25 @@ from transformers.utils import ModelOutput
 from ..batch import RingContext, shard_batch
 from ..eagle3.attention import TTT_STRATEGIES, ttt_attention
 from ..eagle3.shift import Lookahead
+from ..eagle3.teacher import TeacherHead, check_kept_logits, keep_final_hidden, tiled_ttt_loss
 from ..layouts import DEFAULT_LAYOUT, local_positions
+from ..loss import DEFAULT_TILE, tile_rows
 from ..masks import _KeyPadding
 from ..sharding import shard
+from ..structure import plain_layer_problem, plain_weights
 from . import transformers as ra_hf
+from .transformers.head import LogitsNotComputed, teacher_head
 from .trainers.hf_trainer import RingTrainer
 
-__all__ = ["TTT_NAME", "PADDING_MODES", "TTTMask", "RingEagleModel", "EagleRingTrainer",
+__all__ = ["TTT_NAME", "PADDING_MODES", "TEACHERS", "TTTMask", "RingEagleModel", "EagleRingTrainer",
            "register", "shard_eagle_batch", "ttt_attention_forward", "served_draft",
            "export_draft"]
 
 TTT_NAME = "ringattn_eagle3"
 """The draft's attention implementation while ``RingEagleModel`` trains under CP."""
+
+TEACHERS = ("auto", "tiled", "logits")
+"""``RingEagleModel.forward``'s ``teacher`` values (see there)."""
 
 PADDING_MODES = ("modelopt", "every_step")
 """How the draft masks padded keys: "modelopt" as ModelOpt does in one process (at TTT step
@@ -166,7 +173,8 @@ class RingEagleModel(HFEagleModel):
                 past_key_values=None, inputs_embeds=None, labels=None, use_cache=None,
                 output_attentions=None, output_hidden_states=None, cache_position=None,
                 logits_to_keep=0, loss_mask=None, ring_context: RingContext | None = None,
-                ttt_padding: str = "modelopt", **kwargs):
+                ttt_padding: str = "modelopt", teacher: str = "auto", tile=DEFAULT_TILE,
+                **kwargs):
         """ModelOpt's forward; with ``ring_context``, that forward on this rank's shard.
 
         Arguments (besides ModelOpt's):
@@ -174,11 +182,21 @@ class RingEagleModel(HFEagleModel):
                 (``input_ids``, ``position_ids``, ``loss_mask`` [B, L] and offline
                 ``base_model_outputs`` this rank's shards). None: ModelOpt's forward.
             ttt_padding: one of ``PADDING_MODES``.
+            teacher: "tiled": the target's head runs on one position, and the teacher and
+                every TTT step's loss are computed ``tile`` rows at a time from the final
+                hidden states (no [L, V] or [L, Vd] tensor: ``ringattn.eagle3.teacher``);
+                "logits": ModelOpt's [L, V] base logits and [L, Vd] draft logits per step;
+                "auto": tiled where the target's head (``teacher_head``: the family's head
+                table row; offline, ModelOpt's base ``lm_head``) and the draft's head are
+                plain linear maps and no offline ``base_model_logits`` are given.
+            tile: rows, or a byte budget of one tile's logits ("16MiB"), as
+                ``tiled_lm_loss``'s.
 
         Returns:
             ModelOpt's ``ModelOutput``. Under CP: ``loss`` is this rank's share (the group's
             sum is ModelOpt's one-process loss), ``train_acc`` the global accuracies,
-            ``logits`` and ``hidden_states`` the local shard's [B, L, ...].
+            ``hidden_states`` the local shard's [B, L, H], ``logits`` its [B, L, V] (the
+            logits path) or a ``LogitsNotComputed`` that raises on use (the tiles).
 
         Raises:
             ValueError: under CP, what it cannot compute exactly, by name, on every rank:
@@ -193,11 +211,12 @@ class RingEagleModel(HFEagleModel):
                 use_cache=use_cache, output_attentions=output_attentions,
                 output_hidden_states=output_hidden_states, cache_position=cache_position,
                 logits_to_keep=logits_to_keep, loss_mask=loss_mask, **kwargs)
-        self._check_cp(ring_context, past_key_values, inputs_embeds, ttt_padding)
+        self._check_cp(ring_context, past_key_values, inputs_embeds, ttt_padding, teacher, tile)
         return self._cp_forward(input_ids, position_ids, loss_mask, ring_context, ttt_padding,
-                                kwargs.get("base_model_outputs"))
+                                kwargs.get("base_model_outputs"), teacher, tile)
 
-    def _check_cp(self, ctx, past_key_values, inputs_embeds, ttt_padding) -> None:
+    def _check_cp(self, ctx, past_key_values, inputs_embeds, ttt_padding, teacher,
+                  tile) -> None:
         """Refuse, before any collective, what the CP forward cannot compute exactly (the
         same decision on every rank: configuration and the batch's context only)."""
         refused = [
@@ -217,13 +236,53 @@ class RingEagleModel(HFEagleModel):
              f"{TTT_STRATEGIES})"),
             (ttt_padding not in PADDING_MODES, f"ttt_padding={ttt_padding!r} (use one of "
              f"{PADDING_MODES})"),
+            (teacher not in TEACHERS, f"teacher={teacher!r} (use one of {TEACHERS})"),
         ]
         for bad, what in refused:
             if bad:
                 raise ValueError(f"RingEagleModel under context parallelism does not support "
                                  f"{what}")
+        tile_rows(tile, self.eagle_config.draft_vocab_size, torch.float32, "tile")
 
-    def _cp_forward(self, input_ids, position_ids, loss_mask, ctx, ttt_padding, offline):
+    def _teacher(self, teacher: str, offline):
+        """(the target's ``TeacherHead``, its decoder module (None offline)) when the teacher
+        and the TTT loss run in tiles, or (None, None): the logits path.
+
+        Online the head is the family's (``teacher_head``: its head table row applied, as
+        its logits are); offline without ``base_model_logits`` it is ModelOpt's own rule,
+        the base ``lm_head`` on the (re-normed) hidden states and nothing else."""
+        if teacher == "tiled" and offline is not None \
+                and offline.get("base_model_logits") is not None:
+            raise ValueError("teacher='tiled' with offline base_model_logits: the teacher is "
+                             "those logits; drop them from the data, or pass teacher='auto'")
+        if teacher == "logits" or (offline is not None
+                                   and offline.get("base_model_logits") is not None):
+            return None, None
+        problem = plain_layer_problem(self._draft_head(), torch.nn.Linear)
+        try:
+            if problem is not None:
+                raise ValueError(f"the draft's lm_head is not read as a plain linear: "
+                                 f"{problem}; pass teacher='logits'")
+            if offline is not None:
+                weight, bias = plain_weights(self._base_model_lm_head, torch.nn.Linear,
+                                             "ModelOpt's offline teacher (the base lm_head)")
+                family = str(getattr(self._base_llm_config, "model_type", None))
+                head = TeacherHead(weight.detach(), None if bias is None else bias.detach(),
+                                   None, None, family)
+                decoder = None
+            else:
+                head, decoder = teacher_head(self, super(HFEagleModel, self).forward.__func__)
+        except ValueError:
+            if teacher == "tiled":
+                raise
+            return None, None
+        dev = head.weight.device.type
+        if torch.is_autocast_enabled(dev):  # the head runs under the caller's autocast
+            head = replace(head, autocast=torch.get_autocast_dtype(dev))
+        return head, decoder
+
+    def _cp_forward(self, input_ids, position_ids, loss_mask, ctx, ttt_padding, offline,
+                    teacher, tile):
         pg = ctx.group
         b, n = input_ids.shape
         s, world, rank = ctx.seqlen, dist.get_world_size(pg), dist.get_rank(pg)
@@ -234,35 +293,47 @@ class RingEagleModel(HFEagleModel):
         if loss_mask is None:  # ModelOpt's default: the attention mask
             loss_mask = (pos_L < torch.tensor(lengths, device=pos_L.device)[:, None])
         lm_BL = loss_mask.to(torch.float32) * real_L
+        if self.eagle_offline and offline is None:
+            raise ValueError("an offline Eagle model needs base_model_outputs")
+        head, decoder = self._teacher(teacher, offline if self.eagle_offline else None)
+        final_BLH = None
         if self.eagle_offline:
-            if offline is None:
-                raise ValueError("an offline Eagle model needs base_model_outputs")
             base = EagleBaseModelOutput.from_offline_dict(offline)
             if base.logits is None:  # ModelOpt's own rule for a pre-norm hidden state
-                base.logits = self._base_model_lm_head(
-                    _maybe_apply_base_final_norm(base.out_hiddens, offline,
-                                                 self._base_model_norm))
+                final_BLH = _maybe_apply_base_final_norm(base.out_hiddens, offline,
+                                                         self._base_model_norm)
+                if head is None:
+                    base.logits = self._base_model_lm_head(final_BLH)
         else:
-            base, _ = self._eagle_base_model_forward(input_ids, None, position_ids, None, True,
-                                                     None, ring_context=ctx)
+            with keep_final_hidden(decoder, n) as (extra, final):
+                base, _ = self._eagle_base_model_forward(
+                    input_ids, None, position_ids, None, True, None, ring_context=ctx, **extra)
             ctx.check_consumed(self)
+            if head is not None:  # its logits at one position: the head's output, bit for bit
+                final_BLH = final[0] if final else None
+                check_kept_logits(self, head, final_BLH, base.logits, pg)
         with torch.no_grad():
             emb_BLH = (base.input_embeds if base.input_embeds is not None
                        else self._base_model_embeddings(input_ids)).detach()
         hidden_BLH = (self.eagle_module.fc(base.aux_hiddens)
                       if self.eagle_config.use_aux_hidden_state else base.out_hiddens)
-        logits = base.logits
-        if self.eagle_config.draft_vocab_size != self.eagle_config.vocab_size:
-            logits = self._map_logits_to_draft_vocab(logits)
-        teacher_BLV = torch.softmax(logits, dim=2).detach()
-        top_BL = logits.argmax(dim=-1).detach()
+        mapped = self.eagle_config.draft_vocab_size != self.eagle_config.vocab_size
         # token p + 1 + j of every chain p at step j, across shard boundaries
         ahead = Lookahead(group=pg, layout=ctx.layout, seqlen=s, width=steps)
-        ext_p, ext_top = ahead.extend(teacher_BLV), ahead.extend(top_BL)
+        if head is not None:  # final hidden rows travel; the teacher is computed per tile
+            teacher_d = head.restricted(self._draft_rows()) if mapped else head
+            ext_teacher = ahead.extend(final_BLH.detach())
+        else:
+            logits = self._map_logits_to_draft_vocab(base.logits) if mapped else base.logits
+            ext_teacher = ahead.extend(torch.softmax(logits, dim=2).detach())
+            ext_top = ahead.extend(logits.argmax(dim=-1).detach())
+            del logits
         ext_lm, ext_emb = ahead.extend(lm_BL), ahead.extend(emb_BLH)
         # ModelOpt divides step j's loss by the loss_mask of positions >= 1 + j (global)
         den = torch.stack([(lm_BL * (pos_L >= 1 + j)).sum() for j in range(steps)]).double()
         dist.all_reduce(den, group=pg)
+        weights = [self.eagle_loss_decay_factor ** j / (den[j].float() + 1e-5).item()
+                   for j in range(steps)]
         if ttt_padding == "modelopt":
             first = tuple(length if length == s else length - 1 for length in lengths)
             valid = [first if any(x < s for x in first) else None] + [None] * (steps - 1)
@@ -271,29 +342,61 @@ class RingEagleModel(HFEagleModel):
             valid = [every] * steps
         cache = DynamicCache(config=self.eagle_module.config)
         self.eagle_module._maybe_init_rope(device=hidden_BLH.device)
+        draft_head = self._draft_head()
         loss, counts = None, torch.zeros(2, steps, dtype=torch.float64)
+        normed, actives = [], []
         with temporary_set_config_value(self.eagle_module.config, "_attn_implementation",
                                         TTT_NAME):
             for j in range(steps):
-                # the uncompiled method (eagle_use_torch_compile replaces it per instance)
-                _, hidden_BLH, elog_BLV, cache = HFEagleModel._eagle_forward(
-                    self, hidden_BLH, ahead.take(ext_emb, 1 + j), TTTMask(ctx, j, valid[j]),
-                    position_ids + j, cache)
+                # ModelOpt's _eagle_forward without its head (the head runs below, or in tiles)
+                post_BLH, hidden_BLH, cache = self.eagle_module(
+                    hidden_BLH, ahead.take(ext_emb, 1 + j), attention_mask=TTTMask(ctx, j, valid[j]),
+                    position_ids=position_ids + j, use_cache=True, past_key_values=cache)
                 lm = ahead.take(ext_lm, 1 + j)
-                num = (lm[..., None] * ahead.take(ext_p, 1 + j)
+                counts[1, j] = lm.bool().sum()
+                if head is not None:
+                    normed.append(post_BLH)
+                    actives.append(lm)
+                    continue
+                elog_BLV = draft_head(post_BLH)
+                num = (lm[..., None] * ahead.take(ext_teacher, 1 + j)
                        * torch.log_softmax(elog_BLV, dim=2)).sum()
                 term = self.eagle_loss_decay_factor ** j * (-num / (den[j].float() + 1e-5))
                 loss = term if loss is None else loss + term
                 with torch.no_grad():
-                    hit = lm.bool()
                     counts[0, j] = ((elog_BLV.argmax(-1) == ahead.take(ext_top, 1 + j))
-                                    & hit).sum()
-                    counts[1, j] = hit.sum()
+                                    & lm.bool()).sum()
+        if head is not None:
+            loss, _, hits = tiled_ttt_loss(draft_head, normed, teacher_d, ahead, ext_teacher,
+                                           actives, 1.0, weights, tile, top_of="logits")
+            counts[0] = hits.cpu()
         dist.all_reduce(counts, group=pg)
         accs = (counts[0] / counts[1].clamp_min(1)).tolist()
-        return ModelOutput(loss=loss, logits=base.logits, past_key_values=None,
+        logits_out = base.logits if head is None else _EagleLogitsNotComputed()
+        return ModelOutput(loss=loss, logits=logits_out, past_key_values=None,
                            hidden_states=base.out_hiddens, train_acc=[accs], eagle_loss=loss,
                            preservation_loss=None)
+
+    def _draft_head(self):
+        """The draft's head, as ModelOpt's ``_eagle_forward`` picks it."""
+        return (self.eagle_module.lm_head if hasattr(self.eagle_module, "lm_head")
+                else self._base_model_lm_head)
+
+    def _draft_rows(self) -> torch.Tensor:
+        """[Vd] the target's vocabulary row of each draft token (``d2t``, as
+        ``_map_logits_to_draft_vocab`` reads it)."""
+        d2t = self.eagle_module.d2t
+        return torch.arange(len(d2t), device=d2t.device) + d2t
+
+
+class _EagleLogitsNotComputed(LogitsNotComputed):
+    """``RingEagleModel``'s ``out.logits`` when its teacher ran in tiles."""
+
+    __slots__ = ()
+    MESSAGE = ("out.logits was not computed: the Eagle teacher and loss ran in tiles from the "
+               "target's final hidden states (teacher='auto' or 'tiled'), one tile of logits "
+               "at a time, none kept. For this shard's [B, L, V] logits pass teacher='logits' "
+               "to RingEagleModel's forward or EagleRingTrainer")
 
 
 def shard_eagle_batch(batch: dict, *, group=None, layout: str = DEFAULT_LAYOUT,
@@ -342,6 +445,8 @@ class EagleRingTrainer(RingTrainer):
 
     Arguments (besides ``RingTrainer``'s: layout, strategy, ulysses_size, cp_size):
         ttt_padding: one of ``PADDING_MODES`` ("modelopt": ModelOpt's own masks).
+        teacher, tile: ``RingEagleModel.forward``'s (default "auto": the teacher and the
+            TTT loss in tiles of "16MiB" of logits wherever the heads allow).
 
     Gradient accumulation as ModelOpt's trainer under transformers' Trainer: with labels in
     the batch (ModelOpt's collators give them) the optimizer step takes the SUM of the
@@ -351,12 +456,14 @@ class EagleRingTrainer(RingTrainer):
     Raises:
         TypeError: a model that is not a ``RingEagleModel`` (call ``register`` before
             ``mtsp.convert``).
-        ValueError: what ``RingTrainer`` refuses; a bad ``ttt_padding``.
+        ValueError: what ``RingTrainer`` refuses; a bad ``ttt_padding``, ``teacher`` or
+            ``tile``.
     """
 
     loss_is_scaled_for_ga = None  # Trainer's own rule, as ModelOpt trains
 
-    def __init__(self, *args, ttt_padding: str = "modelopt", **kwargs):
+    def __init__(self, *args, ttt_padding: str = "modelopt", teacher: str = "auto",
+                 tile=DEFAULT_TILE, **kwargs):
         model = kwargs.get("model", args[0] if args else None)
         if not isinstance(model, RingEagleModel):
             raise TypeError(f"EagleRingTrainer needs a RingEagleModel, got "
@@ -364,9 +471,12 @@ class EagleRingTrainer(RingTrainer):
                             f"register(<target class>) before mtsp.convert")
         if ttt_padding not in PADDING_MODES:
             raise ValueError(f"ttt_padding must be one of {PADDING_MODES}, got {ttt_padding!r}")
+        if teacher not in TEACHERS:
+            raise ValueError(f"teacher must be one of {TEACHERS}, got {teacher!r}")
+        tile_rows(tile, 1, torch.float32, "tile")
         kwargs.setdefault("loss_tile", None)  # ModelOpt's Eagle loss, not the causal-LM one
         super().__init__(*args, **kwargs)
-        self.ttt_padding = ttt_padding
+        self.ttt_padding, self.teacher, self.tile = ttt_padding, teacher, tile
         self.train_accs: list[list[float]] = []
 
     def _shard(self, inputs: dict) -> dict:
@@ -392,7 +502,8 @@ class EagleRingTrainer(RingTrainer):
         """This rank's share of ModelOpt's loss, times the number of processes (DDP averages
         the gradients; the shares' gradients add up)."""
         local = inputs if "ring_context" in inputs else self._shard(inputs)
-        outputs = model(**local, ttt_padding=self.ttt_padding)
+        outputs = model(**local, ttt_padding=self.ttt_padding, teacher=self.teacher,
+                            tile=self.tile)
         if self.model.training:
             self.train_accs.append(outputs.train_acc[0])
         loss = outputs.loss * self.accelerator.num_processes
@@ -407,7 +518,8 @@ class EagleRingTrainer(RingTrainer):
         inputs = self._prepare_inputs(inputs)
         local = self._shard(inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
-            outputs = model(**local, ttt_padding=self.ttt_padding)
+            outputs = model(**local, ttt_padding=self.ttt_padding, teacher=self.teacher,
+                            tile=self.tile)
         loss = outputs.loss.detach().float()
         dist.all_reduce(loss, group=local["ring_context"].group)
         return loss, None, None

@@ -182,13 +182,17 @@ def _decoder(model):
     return decoder
 
 
-def tile_problem(model) -> str | None:
-    """Why ``model``'s causal-LM loss is not computed in tiles, or None (it is)."""
+def tile_problem(model, forward=None) -> str | None:
+    """Why ``model``'s causal-LM loss is not computed in tiles, or None (it is).
+
+    ``forward``: the function that runs the model (default ``type(model).forward``; a
+    wrapper's subclass that calls its family's forward, as ModelOpt's Eagle model does,
+    names that one)."""
     config = _text_config(model)
     family = getattr(config, "model_type", None)
     if family in UNTILED:
         return f"{family}: {UNTILED[family]}"
-    forward = type(model).forward
+    forward = type(model).forward if forward is None else forward
     if not getattr(forward, "__module__", "").startswith("transformers."):
         return (f"{type(model).__name__}'s forward is not one of transformers' families' "
                 f"({getattr(forward, '__module__', None)}): its loss may be another one")
@@ -303,17 +307,18 @@ class _Call:
 _NOT_COMPUTED = LogitsNotComputed()
 
 
-def teacher_head(model):
+def teacher_head(model, forward=None):
     """(the Eagle3 ``TeacherHead`` of ``model``: its head's weight and bias and the head
     table's transforms; its decoder module): what ``ringattn.eagle3``'s teacher in tiles
     reads (registered with ``eagle3.teacher.register_head_reader`` on import).
+    ``forward``: as ``tile_problem``'s.
 
     Raises:
         ValueError: the model's head cannot be read so (``tile_problem``, named).
     """
     from ...eagle3.teacher import TeacherHead
 
-    problem = tile_problem(model)
+    problem = tile_problem(model, forward)
     if problem is not None:
         raise ValueError(f"the Eagle3 teacher in tiles cannot read the target's head: "
                          f"{problem}; pass teacher='logits'")
