@@ -67,7 +67,8 @@ def fixture(work: str) -> None:
 
 
 def write_run(work: str, name: str, *, architecture: str, ringattn: dict | None = None,
-              steps: int = 6, ttt: int = 3, backend: str = "sdpa") -> str:
+              steps: int = 6, ttt: int = 3, backend: str = "sdpa",
+              compact: bool = False) -> str:
     """A SpecForge run YAML (and its draft config) under ``work/name``."""
     run = os.path.join(work, name)
     os.makedirs(run, exist_ok=True)
@@ -104,6 +105,8 @@ training:
   save_interval: 0
   seed: 0
 """
+    if compact:  # SpecForge's teacher from the target's hidden states, in vocabulary chunks
+        text += "  compact_teacher: true\n  compact_teacher_chunk_size: 5\n"
     path = os.path.join(run, "run.yaml")
     with open(path, "w") as f:
         f.write(text)
@@ -135,16 +138,16 @@ def _record(run, out: str | None) -> None:
         torch.save({"logs": logs, "grads": grads, "final": final}, out)
 
 
-def reference(work: str, out: str, world: int = 1) -> None:
+def reference(work: str, out: str, world: int = 1, compact: bool = False) -> None:
     """SpecForge's own ``specforge train`` worker path on one gloo rank (no CP), or on
     ``world`` ranks of SpecForge's own data parallelism (no CP)."""
     if world == 1:
-        _reference_worker(0, 1, _port(), work, out)
+        _reference_worker(0, 1, _port(), work, out, compact)
     else:
-        _spawn(_reference_worker, world, work, out)
+        _spawn(_reference_worker, world, work, out, compact)
 
 
-def _reference_worker(rank, world, port, work, out):
+def _reference_worker(rank, world, port, work, out, compact=False):
     from accelerate.utils import set_seed
     from specforge.application import build_application_run, resolve_run
     from specforge.config import load_config
@@ -155,8 +158,10 @@ def _reference_worker(rank, world, port, work, out):
         from specforge.core.loss import _compute_loss
 
         model.LogSoftmaxLoss = types.SimpleNamespace(apply=_compute_loss)
-    name = "reference" if world == 1 else f"reference-dp{world}"
-    cfg = load_config(write_run(work, name, architecture="LlamaForCausalLMEagle3"))
+    name = ("reference" if world == 1 else f"reference-dp{world}") + ("-compact" if compact
+                                                                      else "")
+    cfg = load_config(write_run(work, name, architecture="LlamaForCausalLMEagle3",
+                                compact=compact))
     resolved = resolve_run(cfg)
     os.environ["FSDP_SHARDING"] = cfg.training.fsdp_sharding
     set_seed(cfg.training.seed)
@@ -269,17 +274,20 @@ def main() -> None:
     ap.add_argument("--layout", default="zigzag")
     ap.add_argument("--strategy", default="ring")
     ap.add_argument("--cp-size", type=int, default=None, help="default: the world")
+    ap.add_argument("--compact", action="store_true", help="training.compact_teacher: true")
     a = ap.parse_args()
     a.world = a.world or (1 if a.mode == "reference" else 2)
     if a.mode == "fixture":
         fixture(a.work)
     elif a.mode == "reference":
-        reference(a.work, a.out, a.world)
+        reference(a.work, a.out, a.world, a.compact)
     elif a.mode == "ring":
         cp = a.cp_size or a.world
         name = f"ring-w{a.world}-{a.layout}-{a.strategy}" + ("" if cp == a.world else f"-cp{cp}")
+        name += "-compact" if a.compact else ""
         yaml = write_run(a.work, name, architecture="RingLlamaForCausalLMEagle3",
-                         ringattn={"layout": a.layout, "strategy": a.strategy})
+                         ringattn={"layout": a.layout, "strategy": a.strategy},
+                         compact=a.compact)
         _spawn(_ring_worker, a.world, yaml, a.out, cp)
     else:
         _spawn(_refusal_worker, a.world, a.work, a.out)

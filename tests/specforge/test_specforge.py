@@ -95,6 +95,17 @@ def _compare(cp, ref, label):
 
 
 @pytest.mark.timeout(600)
+def test_compact_teacher_under_cp_equals_its_one_process_training(work):
+    """SpecForge's own compact teacher (``training.compact_teacher: true``: the teacher from
+    the target's hidden states in vocabulary chunks of 5, never the [T, V] logits) on each
+    rank's collated rows, W = 3, against SpecForge's one-process run with the same option."""
+    _run("reference", work, work / "reference-compact.pt", "--compact")
+    _run("ring", work, work / "ring-w3-compact.pt", "--world", 3, "--compact")
+    _compare(torch.load(work / "ring-w3-compact.pt"), torch.load(work / "reference-compact.pt"),
+             "W=3 zigzag ring, compact teacher")
+
+
+@pytest.mark.timeout(600)
 def test_dp_by_cp_equals_specforge_data_parallel_training(work):
     """4 ranks as 2 DP replicas x CP 2 (``--cp-size 2``) against SpecForge's own training on
     2 DP ranks without CP: the same samples per replica, the same losses (SpecForge reduces
