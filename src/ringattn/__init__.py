@@ -24,6 +24,7 @@ from .strategies.ring import ring_attention
 from .strategies.ulysses import ulysses_attention
 from .batch import RingContext, all_reduce_metrics, shard_batch
 from .comm import hybrid_mesh
+from .logprobs import LogProbs, tiled_logprobs
 from .loss import tiled_lm_loss
 from .merge import merge
 from .sharding import positions, shard, unshard
@@ -52,6 +53,8 @@ __all__ = [
     "shard",
     "shard_batch",
     "tiled_lm_loss",
+    "tiled_logprobs",
+    "LogProbs",
     "ulysses_attention",
     "unshard",
     "varlen_attention",

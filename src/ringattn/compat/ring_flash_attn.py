@@ -480,13 +480,24 @@ def _hf_attention(module, query, key, value, attention_mask=None, dropout=0.0, s
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     window = (-1, -1) if not sliding_window else (int(sliding_window) - 1, 0)
     longest = max(b - a for a, b in zip(cu[:-1], cu[1:]))
+    # torch.chunk(x, W, dim=1)[rank] of a row whose length W does not divide: chunks of
+    # ceil(S / W) tokens, the last ones shorter; the contiguous layout's shards have the
+    # same boundaries and pad the short ones past S (padding that attends to nothing)
+    real = q.shape[0]
+    if error is None:
+        pg = resolve_group(_HFState.group)
+        world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+        width = -(-cu[-1] // world)
+        if real == max(0, min(width, cu[-1] - rank * width)) and real < width:
+            q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, width - real))
+                       for t in (q, k, v))
     out = varlen_call(HF_NAME, error, q, k, v, cu, cu, longest, longest, softmax_scale=scaling,
                       causal=causal, window_size=window,
                       softcap=float(softcap) if softcap else 0.0, group=_HFState.group,
                       layout="contiguous", strategy="allgather",
                       strategy_kwargs={"heads_k_stride": _HFState.heads_k_stride,
                                        "sinks": s_aux})
-    return out.unsqueeze(0), None
+    return out[:real].unsqueeze(0), None
 
 
 if __name__ == "__main__":  # a library module: name the programs, do not exit 0

@@ -1,0 +1,231 @@
+"""``tiled_logprobs``: each token's log-probability (and its distribution's entropy) from
+hidden states, in sequence tiles: what an RL loss (GRPO, PPO, DPO's scores) needs of the
+logits, without the logits.
+
+Legend: N tokens of this rank (B x L flattened), H hidden size, V vocabulary, T tile rows.
+
+Per-token log-probabilities need the log-softmax over all V of every position: [N, V] in
+float32 is 19.5 GB at N = 32k and V = 152k, before its gradient. ``tiled_logprobs`` never
+holds more than one tile of logits: the forward computes each tile's logits (the head in
+its dtype, the family's transform (``logits_fn``), the float32 upcast, then ``/
+temperature``, as TRL and verl compute them), takes the target's log-probability and the
+entropy, and keeps nothing of the tile; the backward computes each tile's logits again and
+their gradient for the incoming weights of the log-probabilities and entropies (any
+weighted sum of them: a policy loss, a KL penalty, an entropy bonus). Four products with
+the head's weight per token (the recomputation is one), against three untiled.
+
+Under context parallelism it takes this rank's shard of the hidden states and
+``ringattn.shard_batch``'s ``shift_labels`` (each local token's target, shifted on the
+global sequence: a shard's last token's target is the next shard's first token); its
+results are this rank's positions, in the shard's order. In one process, pass the model's
+unshifted ``labels=`` (for RL: the ``input_ids``; token i's target is token i + 1).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .loss import DEFAULT_TILE, _shifted, tile_rows
+from .structure import plain_layer_problem
+
+__all__ = ["LogProbs", "tiled_logprobs", "head_logprobs"]
+
+
+class LogProbs(NamedTuple):
+    """``tiled_logprobs``'s result: [B, L] (or [N]) tensors in float32 (float64 for
+    float64 inputs)."""
+
+    logprobs: torch.Tensor
+    """log p(target | position) at ``temperature``; 0 where the position has no target."""
+    entropy: torch.Tensor | None
+    """The entropy of each position's distribution at ``temperature`` (every position,
+    with a target or not); None unless asked for."""
+
+
+def _tile_logits(h, weight, bias, logits_fn, temperature):
+    """A tile's logits as the model's loss sees them, then divided by ``temperature``."""
+    z = torch.nn.functional.linear(h, weight, bias)
+    if logits_fn is not None:
+        z = logits_fn(z)
+    z = z.to(torch.promote_types(z.dtype, torch.float32))
+    return z if temperature == 1.0 else z / temperature
+
+
+def _tile_values(z, target, entropy: bool):
+    """(log-probabilities [T] (0 without a target), entropies [T] or None) of logits z."""
+    lse = torch.logsumexp(z, dim=-1)
+    has = target >= 0
+    picked = z.gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    lp = torch.where(has, picked - lse, torch.zeros_like(lse))
+    if not entropy:
+        return lp, None
+    p = torch.softmax(z, dim=-1)
+    return lp, lse - (p * z).sum(-1)
+
+
+class _TiledLogProbs(torch.autograd.Function):
+    """Forward: each tile's log-probabilities and entropies, nothing kept. Backward: each
+    tile's logits again, and the gradients of (g_lp . lp + g_ent . ent) for that tile."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, rows, logits_fn, temperature, entropy):
+        work = torch.promote_types(hidden.dtype, torch.float32)
+        n = hidden.shape[0]
+        lp = torch.zeros(n, dtype=work, device=hidden.device)
+        ent = torch.zeros(n, dtype=work, device=hidden.device) if entropy else None
+        with torch.no_grad():
+            for start in range(0, n, rows):
+                sl = slice(start, start + rows)
+                z = _tile_logits(hidden[sl], weight, bias, logits_fn, temperature)
+                a, b = _tile_values(z, target[sl], entropy)
+                lp[sl] = a
+                if entropy:
+                    ent[sl] = b
+        ctx.save_for_backward(hidden, weight, bias, target)
+        ctx.opts = (rows, logits_fn, temperature, entropy)
+        if ent is None:
+            return lp, lp.new_zeros(0)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, bias, target = ctx.saved_tensors
+        rows, logits_fn, temperature, entropy = ctx.opts
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        d_hidden = torch.zeros_like(hidden) if need_h else None
+        d_weight = (torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype,
+                                                                         torch.float32),
+                                device=weight.device) if need_w else None)
+        d_bias = (torch.zeros(bias.shape, dtype=torch.promote_types(bias.dtype, torch.float32),
+                              device=bias.device) if need_b else None)
+        w = weight.detach().requires_grad_(need_w)
+        b = None if bias is None else bias.detach().requires_grad_(need_b)
+        use_ent = entropy and g_ent is not None and g_ent.numel() > 0
+        for start in range(0, hidden.shape[0], rows):
+            sl = slice(start, start + rows)
+            h = hidden[sl].detach().requires_grad_(need_h)
+            with torch.enable_grad():
+                z = _tile_logits(h, w, b, logits_fn, temperature)
+                lp, ent = _tile_values(z, target[sl], use_ent)
+                total = (lp * g_lp[sl].to(lp.dtype)).sum() if g_lp is not None else 0.0
+                if use_ent:
+                    total = total + (ent * g_ent[sl].to(ent.dtype)).sum()
+                wanted = [x for x, need in ((h, need_h), (w, need_w), (b, need_b)) if need]
+                if not wanted or not isinstance(total, torch.Tensor):
+                    continue
+                grads = list(torch.autograd.grad(total, wanted))
+            if need_h:
+                d_hidden[sl] = grads.pop(0)
+            if need_w:
+                d_weight.add_(grads.pop(0))
+            if need_b:
+                d_bias.add_(grads.pop(0))
+        return (d_hidden, None if d_weight is None else d_weight.to(weight.dtype),
+                None if d_bias is None else d_bias.to(bias.dtype), None, None, None, None,
+                None)
+
+
+def tiled_logprobs(hidden: torch.Tensor, lm_head, *, shift_labels: torch.Tensor | None = None,
+                   labels: torch.Tensor | None = None, ignore_index: int = -100,
+                   temperature: float = 1.0, entropy: bool = False, tile=DEFAULT_TILE,
+                   logits_fn=None) -> LogProbs:
+    """Each token's log-probability of its target under ``lm_head(hidden) / temperature``,
+    and optionally its distribution's entropy, one tile of logits at a time (forward and
+    backward). Give the targets as ``shift_labels`` (already shifted) or as ``labels``
+    (unshifted: token i's target is ``labels[..., i + 1]``), never both, by keyword.
+
+    Arguments:
+        hidden: [B, L, H] (or [N, H]) the decoder's last hidden states (after its final norm).
+        lm_head: a ``torch.nn.Linear`` (exactly that class, or FSDP2's ``fully_shard`` of
+            one: ``structure.plain_layer_problem``) or its [V, H] weight tensor.
+        shift_labels: [B, L] (or [N]) each token's target, already shifted (under CP,
+            ``shard_batch``'s ``shift_labels``); ``ignore_index``: none (log-probability 0).
+        labels: [B, L] (or [N]) unshifted token ids, one process only (a shard is refused:
+            its last token's target lies on another rank).
+        temperature: a float > 0; the logits (after ``logits_fn`` and the float32 upcast)
+            are divided by it, as TRL's GRPO and verl divide them.
+        entropy: also return each position's entropy.
+        tile: rows of logits at once (an int >= 1), or a byte budget of one tile's logits
+            ("16MiB", the default: the rows follow from V).
+        logits_fn: None, or what the model does to the head's output (a soft cap, a scale),
+            in the head's dtype, per row (``tiled_lm_loss``'s; the head table of
+            ``ringattn.integrations.transformers`` gives a family's).
+
+    Returns:
+        ``LogProbs(logprobs, entropy)``: [B, L] (or [N]) float32 (float64 for float64
+        inputs); differentiable: the gradient of any weighted sum reaches ``hidden`` and the
+        head's weight and bias.
+
+    Raises:
+        TypeError: ``lm_head`` not a plain Linear or a 2-D weight (named); neither or both
+            of ``shift_labels`` and ``labels``; ``labels`` that are a shard; an argument's
+            type.
+        ValueError: a temperature that is not a finite float > 0, shapes that do not match,
+            a bad tile, a target outside [0, V) that is not ``ignore_index``.
+    """
+    if (shift_labels is None) == (labels is None):
+        raise TypeError("tiled_logprobs takes the targets as shift_labels= (already shifted) "
+                        "or as labels= (unshifted), by keyword: got "
+                        f"{'both' if labels is not None else 'neither'}")
+    if labels is not None:
+        shift_labels = _shifted(labels, ignore_index)
+    if isinstance(lm_head, torch.nn.Module):
+        problem = plain_layer_problem(lm_head)
+        if problem is not None:
+            raise TypeError(f"tiled_logprobs computes a plain linear head from its weight, "
+                            f"without its forward, and {problem}: compute this head's "
+                            f"log-probabilities from its logits")
+        weight, bias = lm_head.weight, lm_head.bias
+    elif isinstance(lm_head, torch.Tensor) and lm_head.dim() == 2:
+        weight, bias = lm_head, None
+    else:
+        raise TypeError(f"lm_head must be a torch.nn.Linear or its [V, H] weight, got "
+                        f"{type(lm_head).__name__}")
+    return head_logprobs(hidden, weight, bias, shift_labels, ignore_index=ignore_index,
+                         temperature=temperature, entropy=entropy, tile=tile,
+                         logits_fn=logits_fn)
+
+
+def head_logprobs(hidden, weight, bias, shift_labels, *, ignore_index=-100, temperature=1.0,
+                  entropy=False, tile=DEFAULT_TILE, logits_fn=None) -> LogProbs:
+    """``tiled_logprobs`` of the head ``(weight, bias)`` (bias None or [V]), for callers
+    holding a head's tensors rather than its module."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise TypeError(f"the head's weight must be a [V, H] tensor, got {type(weight).__name__}")
+    if not isinstance(hidden, torch.Tensor) or not isinstance(shift_labels, torch.Tensor):
+        raise TypeError("hidden and the labels must be tensors")
+    if hidden.shape[:-1] != shift_labels.shape or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} must be the labels' shape "
+                         f"{tuple(shift_labels.shape)} plus the head's input size "
+                         f"{weight.shape[1]}")
+    if shift_labels.dtype.is_floating_point or shift_labels.dtype == torch.bool:
+        raise TypeError(f"labels must be integer token ids, got {shift_labels.dtype}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a float > 0, got {temperature!r}")
+    if not 0.0 < float(temperature) < float("inf"):
+        raise ValueError(f"temperature must be a finite float > 0, got {temperature!r}")
+    if not isinstance(entropy, bool):
+        raise TypeError(f"entropy must be a bool, got {entropy!r}")
+    if logits_fn is not None and not callable(logits_fn):
+        raise TypeError(f"logits_fn must be callable or None, got {type(logits_fn).__name__}")
+    rows = tile_rows(tile, weight.shape[0], hidden.dtype, "tile")
+    vocab = weight.shape[0]
+    flat = shift_labels.reshape(-1)
+    bad = (flat != ignore_index) & ((flat < 0) | (flat >= vocab))
+    if bool(bad.any()):
+        raise ValueError(f"labels hold {flat[bad][0].item()}, outside [0, {vocab}) and not "
+                         f"ignore_index={ignore_index}")
+    target = torch.where(flat == ignore_index, torch.full_like(flat, -1), flat).to(
+        device=hidden.device, dtype=torch.long)
+    shape = shift_labels.shape
+    lp, ent = _TiledLogProbs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, target,
+                                   rows, logits_fn, float(temperature), entropy)
+    return LogProbs(lp.view(shape), ent.view(shape) if entropy else None)
+
+
+if __name__ == "__main__":  # a library module: name the programs, do not exit 0
+    from ringattn._program import not_a_program
+    not_a_program(__spec__)
