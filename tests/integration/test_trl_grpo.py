@@ -1,0 +1,114 @@
+"""``RingGRPOTrainer`` under torchrun on 2 and 3 CPU ranks logs what TRL's ``GRPOTrainer``
+logs in one process on the same prompts, generates the same completions, and steps with
+the same gradients: every logged metric (loss, grad_norm, kl, entropy, the clip ratios,
+rewards and their std per function, reward_std, frac_reward_zero_std, completion lengths,
+num_tokens) and every parameter's gradient at every optimizer step, on every rank (fp32,
+1e-5 relative; an exact 0 must be 0). Refused options raise by name; rewards that differ
+across the ranks raise on every rank.
+
+One launch per world size runs every case of ``grpo_run.py`` (one process runs TRL's own
+trainer). Cases: ``grpo`` (TRL's default loss, beta 0.1 with the reference model, gradient
+accumulation 2) and ``grpo_iter`` (``num_iterations=2``: the old policy's log-probabilities
+and the clipping; ``loss_type="grpo"``, ``epsilon=0.05``, ``mask_truncated_completions``);
+prompts left-padded, completions of 2 to 8 tokens.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("trl")
+
+RUN = Path(__file__).with_name("grpo_run.py")
+sys.path.insert(0, str(RUN.parent))
+from launches import launch_all  # noqa: E402
+
+WORLDS = (2, 3)
+TOL = 1e-5
+CASES = ("grpo", "grpo_iter")
+TIMEOUT = 400
+SKIP = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "step_time",
+        "total_flos"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmds = {"ref": [sys.executable, str(RUN), "--ref", "--out", str(out / "ref")]}
+    for w in WORLDS:
+        cases = ",".join((*CASES, "refusals")) if w == 2 else ",".join(CASES)
+        cmds[w] = [*torchrun, "--nproc-per-node", str(w), str(RUN), "--out", str(out / f"cp{w}"),
+                   "--cases", cases]
+    return out, launch_all(cmds, out, TIMEOUT)
+
+
+def _load(runs, kind, case, rank):
+    out, failures = runs
+    d = out / ("ref" if kind == "ref" else f"cp{kind}")
+    path = d / f"{case}.{rank}.json"
+    if not path.exists():
+        pytest.fail(f"{kind} rank {rank} wrote no {case} results:\n{failures[kind]}")
+    tensors = d / f"{case}.{rank}.pt"
+    return json.loads(path.read_text()), (torch.load(tensors) if tensors.exists() else None)
+
+
+def _record(worst_errors, key, err):
+    worst_errors[key] = (max(worst_errors.get(key, (0.0, TOL))[0], err), TOL)
+
+
+@pytest.mark.timeout(3 * TIMEOUT)
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", CASES)
+def test_grpo_logs_completions_and_gradients_equal_one_process(runs, worst_errors, case,
+                                                               world):
+    want_logs, want = _load(runs, "ref", case, 0)
+    steps = [h for h in want_logs if "loss" in h]
+    assert len(steps) == 3 and want["grads"]
+    # the run is not degenerate: completions of unequal lengths, a KL, a moving loss
+    assert any(h["completions/min_length"] < h["completions/max_length"] for h in steps)
+    assert any(h["kl"] > 0 for h in steps) and any(h["loss"] != 0 for h in steps)
+    if case == "grpo_iter":
+        assert any(h.get("clip_ratio/region_mean", 0) > 0 for h in steps), steps
+    for rank in range(world):
+        logs, got = _load(runs, world, case, rank)
+        where = f"{case} W={world} rank {rank}"
+        assert got["completions"] == want["completions"], where  # the same rollouts
+        assert len(logs) == len(want_logs), where
+        n = 0
+        for i, (g, w) in enumerate(zip(logs, want_logs)):
+            assert set(g) == set(w), (where, i, sorted(set(g) ^ set(w)))
+            for key in sorted(set(w) - SKIP):
+                a, b = g[key], w[key]
+                err = abs(a - b) / abs(b) if b != 0 else abs(a)
+                _record(worst_errors, ("GRPO", key.split("/")[0]), err)
+                assert err <= TOL, f"{where} log {i} {key}: {a} vs one process {b} ({err:.2e})"
+                n += 1
+        assert n >= 60, n
+        assert len(got["grads"]) == len(want["grads"]), where
+        for step, (g, w) in enumerate(zip(got["grads"], want["grads"])):
+            assert set(g) == set(w), (where, step)
+            for name, ref in w.items():
+                err = float((g[name] - ref).norm() / ref.norm())
+                _record(worst_errors, ("GRPO", "gradient"), err)
+                assert err <= TOL, f"{where} step {step} grad {name}: {err:.2e}"
+
+
+@pytest.mark.timeout(3 * TIMEOUT)
+def test_grpo_refusals(runs):
+    """Refused by name before training (the same on every rank); rewards that differ across
+    the ranks raise on every rank."""
+    seen = [_load(runs, 2, "refusals", r)[0] for r in range(2)]
+    assert seen[0] == seen[1], seen
+    said = seen[0]
+    for key, words in {"use_vllm": "use_vllm=True", "scale_rewards": "scale_rewards='batch'",
+                       "top_entropy_quantile": "top_entropy_quantile=0.5",
+                       "neftune": "neftune_noise_alpha", "eval_dataset": "eval_dataset",
+                       "sdpa model": "attention",
+                       "rewards differ": "reward functions returned different values"}.items():
+        assert said[key] is not None and said[key].startswith("ValueError") and \
+            words in said[key], (key, said[key])
