@@ -16,7 +16,9 @@ SGD without clipping):
 * ``grpo_iter``: ``num_iterations=2`` (the old policy's log-probabilities are computed and
   the clipping acts), ``loss_type="grpo"``, ``epsilon=0.05``, ``mask_truncated_completions``;
 * ``refusals`` (CP only): the errors of the refused options and of ranks whose rewards
-  differ.
+  differ;
+* ``docs``: docs/trainers.md's ``RingGRPOTrainer`` block as printed (CP), or TRL's trainer
+  on the same names (``--ref``).
 """
 
 import argparse
@@ -142,12 +144,36 @@ def refusals(ref, out):
     return found
 
 
+def docs(ref, out):
+    """docs/trainers.md's RingGRPOTrainer block as printed (CP), or TRL's GRPOTrainer on the
+    same names in one process; the log history."""
+    from trl import GRPOTrainer
+
+    from trl_run import docs_block
+
+    page = Path(__file__).resolve().parents[2] / "docs" / "trainers.md"
+    names = {"model_path": model_dir(out), "reward": distinct, "prompts": prompts(8, 6),
+             "grpo_args": config(out / "docs", max_steps=2), "tokenizer": tokenizer()}
+    if ref:
+        names["grpo_args"].model_init_kwargs = {"attn_implementation": "eager"}
+        trainer = GRPOTrainer(model=names["model_path"], reward_funcs=names["reward"],
+                              args=names["grpo_args"], train_dataset=names["prompts"],
+                              processing_class=names["tokenizer"])
+        trainer.train()
+    else:
+        block = docs_block("trainer = RingGRPOTrainer(", page)
+        exec(compile(block, str(page), "exec"), names)
+        trainer = names["trainer"]
+    return {"logs": trainer.state.log_history}
+
+
 CASES = {
     "grpo": lambda ref, out: grpo(ref, out, "grpo"),
     "grpo_iter": lambda ref, out: grpo(ref, out, "grpo_iter", num_iterations=2,
                                        loss_type="grpo", epsilon=0.05,
                                        mask_truncated_completions=True),
     "refusals": refusals,
+    "docs": docs,
 }
 
 
@@ -155,7 +181,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ref", action="store_true")
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--cases", default="grpo,grpo_iter")
+    ap.add_argument("--cases", default="grpo,grpo_iter,docs")
     args = ap.parse_args()
     rank = start_runner(args)
     for name in args.cases.split(","):

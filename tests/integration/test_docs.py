@@ -301,6 +301,94 @@ def _check_ttt(ns: dict) -> None:
     assert ns["out"].shape == ns["q"].shape and ns["out"].isfinite().all()
 
 
+def _tiny_llama(attn: str):
+    """A tiny Llama (seeded: the same weights on every call) with ``attn``."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+
+
+def _logprobs(ns: dict, work: Path) -> None:
+    """trainers.md's tiled_logprobs block: ``model`` (ring attention), ``ids`` and ``mask``
+    (two rows of 21 tokens, one left-padded by 4), ``group``."""
+    import torch
+    import torch.distributed as dist
+
+    from ringattn.integrations import transformers as ra_hf
+
+    ra_hf.register()
+    ns["model"] = _tiny_llama("ringattn")
+    ns["ids"] = torch.randint(50, (2, 21), generator=torch.Generator().manual_seed(3))
+    ns["mask"] = torch.ones(2, 21, dtype=torch.long)
+    ns["mask"][1, :4] = 0
+    ns["group"] = dist.group.WORLD
+
+
+def _check_logprobs(ns: dict) -> None:
+    """The gathered log-probabilities and entropies equal one process's untiled ones (the
+    same weights, sdpa) wherever a token has a target."""
+    import torch
+
+    import ringattn as ra
+
+    ctx = ns["local"]["ring_context"]
+
+    def whole(x):
+        return ra.unshard(x.detach(), group=ctx.group, layout=ctx.layout, dim=1,
+                          seqlen=ctx.seqlen)
+
+    lp, ent, target = whole(ns["logprobs"]), whole(ns["entropy"]), whole(
+        ns["local"]["shift_labels"])
+    ref_model = _tiny_llama("sdpa")
+    with torch.no_grad():
+        logits = ref_model(input_ids=ns["ids"], attention_mask=ns["mask"]).logits / 0.7
+    logp = torch.log_softmax(logits.float(), -1)
+    has = target != -100
+    want = logp.gather(-1, target.clamp_min(0)[..., None])[..., 0]
+    assert has.sum() == 20 + 16, has.sum()
+    assert float((lp[has] - want[has]).abs().max()) < 1e-5
+    real = ns["mask"].bool()
+    want_ent = -(logp.exp() * logp).sum(-1)
+    assert float((ent[real] - want_ent[real]).abs().max()) < 1e-5
+
+
+def _seam(ns: dict, work: Path) -> None:
+    """trainers.md's packed-seam block: ``group``, ``world``, ``rank``, three documents of 7,
+    9 and 5 tokens packed (``packed_ids``, ``position_ids``, ``cu_seqlens``: 21 tokens, not
+    a multiple of 2), ``packed_model`` loaded with the hook's attention."""
+    import torch
+    import torch.distributed as dist
+
+    from ringattn.compat import ring_flash_attn as rfa
+
+    ns["group"] = dist.group.WORLD
+    ns["world"], ns["rank"] = dist.get_world_size(), dist.get_rank()
+    lengths = (7, 9, 5)
+    g = torch.Generator().manual_seed(4)
+    ns["docs"] = [torch.randint(50, (n,), generator=g) for n in lengths]
+    ns["packed_ids"] = torch.cat(ns["docs"])[None]
+    ns["position_ids"] = torch.cat([torch.arange(n) for n in lengths])[None]
+    ns["cu_seqlens"] = torch.tensor([0, 7, 16, 21], dtype=torch.int32)
+    ns["packed_model"] = _tiny_llama(rfa.substitute_hf_flash_attn(ns["group"], 1))
+
+
+def _check_seam(ns: dict) -> None:
+    """This rank's log-probabilities equal one process running each document alone."""
+    import torch
+
+    ref_model = _tiny_llama("sdpa")
+    with torch.no_grad():
+        logits = torch.cat([ref_model(input_ids=d[None]).logits[0] for d in ns["docs"]])
+    rolled = torch.roll(torch.cat(ns["docs"]), -1)
+    want = torch.log_softmax(logits.float(), -1).gather(-1, rolled[:, None])[:, 0]
+    mine = torch.chunk(want[None], ns["world"], dim=1)[ns["rank"]][0]
+    assert float((ns["logprobs"][0].detach() - mine).abs().max()) < 1e-5
+
+
 RANKED = {
     ("compat.md", 0): (_varlen, _check_varlen),
     ("compat.md", 1): (None, None),
@@ -313,6 +401,8 @@ RANKED = {
     ("trainers.md", 4): (_context_parallel, _check_context_parallel),
     ("trainers.md", 5): (_context_parallel_no_ddp, _check_context_parallel),
     ("trainers.md", 6): (_context_parallel_no_ddp, _check_context_parallel),
+    ("trainers.md", 8): (_logprobs, _check_logprobs),
+    ("trainers.md", 9): (_seam, _check_seam),
 }
 """Blocks run on 2 ranks: (what makes their inputs, what checks their outputs)."""
 
@@ -484,7 +574,8 @@ MODELOPT_RECIPE = ("modelopt.md", 1)
 """modelopt.md's recipe launch line: parsed by torchrun's parser, the program's, and
 ModelOpt's own recipe loader (``test_modelopt_recipe_block_parses``)."""
 ELSEWHERE = {("trainers.md", 2): "tests/integration/test_trl.py",
-             ("trainers.md", 3): "tests/integration/test_trl.py"}
+             ("trainers.md", 3): "tests/integration/test_trl.py",
+             ("trainers.md", 7): "tests/integration/test_trl_grpo.py"}
 """Blocks another test runs as printed (TRL's: its launches already hold TRL's names and
 its one-process reference)."""
 

@@ -7,7 +7,7 @@ num_tokens) and every parameter's gradient at every optimizer step, on every ran
 across the ranks raise on every rank.
 
 One launch per world size runs every case of ``grpo_run.py`` (one process runs TRL's own
-trainer). Cases: ``grpo`` (TRL's default loss, beta 0.1 with the reference model, gradient
+trainer; the docs' block runs as printed). Cases: ``grpo`` (TRL's default loss, beta 0.1 with the reference model, gradient
 accumulation 2) and ``grpo_iter`` (``num_iterations=2``: the old policy's log-probabilities
 and the clipping; ``loss_type="grpo"``, ``epsilon=0.05``, ``mask_truncated_completions``);
 prompts left-padded, completions of 2 to 8 tokens.
@@ -39,9 +39,10 @@ SKIP = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmds = {"ref": [sys.executable, str(RUN), "--ref", "--out", str(out / "ref")]}
+    cmds = {"ref": [sys.executable, str(RUN), "--ref", "--out", str(out / "ref"),
+                    "--cases", ",".join((*CASES, "docs"))]}
     for w in WORLDS:
-        cases = ",".join((*CASES, "refusals")) if w == 2 else ",".join(CASES)
+        cases = ",".join((*CASES, "refusals", "docs")) if w == 2 else ",".join(CASES)
         cmds[w] = [*torchrun, "--nproc-per-node", str(w), str(RUN), "--out", str(out / f"cp{w}"),
                    "--cases", cases]
     return out, launch_all(cmds, out, TIMEOUT)
@@ -112,3 +113,18 @@ def test_grpo_refusals(runs):
                        "rewards differ": "reward functions returned different values"}.items():
         assert said[key] is not None and said[key].startswith("ValueError") and \
             words in said[key], (key, said[key])
+
+
+@pytest.mark.timeout(3 * TIMEOUT)
+def test_docs_grpo_block_runs_as_printed(runs):
+    """docs/trainers.md's RingGRPOTrainer block, run as printed on 2 ranks, logs what TRL's
+    GRPOTrainer logs in one process on the same names."""
+    want = _load(runs, "ref", "docs", 0)[0]["logs"]
+    assert sum("loss" in h for h in want) == 2
+    for rank in range(2):
+        got = _load(runs, 2, "docs", rank)[0]["logs"]
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            for key in sorted(set(w) - SKIP):
+                err = abs(g[key] - w[key]) / abs(w[key]) if w[key] != 0 else abs(g[key])
+                assert err <= TOL, (rank, key, g[key], w[key])
