@@ -27,8 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from .loss import DEFAULT_TILE, _shifted, tile_rows
-from .structure import plain_layer_problem
+from .loss import DEFAULT_TILE, flat_targets, head_and_targets, tile_rows
 
 __all__ = ["LogProbs", "tiled_logprobs", "head_logprobs"]
 
@@ -166,24 +165,9 @@ def tiled_logprobs(hidden: torch.Tensor, lm_head, *, shift_labels: torch.Tensor 
         ValueError: a temperature that is not a finite float > 0, shapes that do not match,
             a bad tile, a target outside [0, V) that is not ``ignore_index``.
     """
-    if (shift_labels is None) == (labels is None):
-        raise TypeError("tiled_logprobs takes the targets as shift_labels= (already shifted) "
-                        "or as labels= (unshifted), by keyword: got "
-                        f"{'both' if labels is not None else 'neither'}")
-    if labels is not None:
-        shift_labels = _shifted(labels, ignore_index)
-    if isinstance(lm_head, torch.nn.Module):
-        problem = plain_layer_problem(lm_head)
-        if problem is not None:
-            raise TypeError(f"tiled_logprobs computes a plain linear head from its weight, "
-                            f"without its forward, and {problem}: compute this head's "
-                            f"log-probabilities from its logits")
-        weight, bias = lm_head.weight, lm_head.bias
-    elif isinstance(lm_head, torch.Tensor) and lm_head.dim() == 2:
-        weight, bias = lm_head, None
-    else:
-        raise TypeError(f"lm_head must be a torch.nn.Linear or its [V, H] weight, got "
-                        f"{type(lm_head).__name__}")
+    weight, bias, shift_labels = head_and_targets(
+        "tiled_logprobs", lm_head, shift_labels, labels, ignore_index,
+        "compute this head's log-probabilities from its logits")
     return head_logprobs(hidden, weight, bias, shift_labels, ignore_index=ignore_index,
                          temperature=temperature, entropy=entropy, tile=tile,
                          logits_fn=logits_fn)
@@ -193,16 +177,7 @@ def head_logprobs(hidden, weight, bias, shift_labels, *, ignore_index=-100, temp
                   entropy=False, tile=DEFAULT_TILE, logits_fn=None) -> LogProbs:
     """``tiled_logprobs`` of the head ``(weight, bias)`` (bias None or [V]), for callers
     holding a head's tensors rather than its module."""
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise TypeError(f"the head's weight must be a [V, H] tensor, got {type(weight).__name__}")
-    if not isinstance(hidden, torch.Tensor) or not isinstance(shift_labels, torch.Tensor):
-        raise TypeError("hidden and the labels must be tensors")
-    if hidden.shape[:-1] != shift_labels.shape or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"hidden {tuple(hidden.shape)} must be the labels' shape "
-                         f"{tuple(shift_labels.shape)} plus the head's input size "
-                         f"{weight.shape[1]}")
-    if shift_labels.dtype.is_floating_point or shift_labels.dtype == torch.bool:
-        raise TypeError(f"labels must be integer token ids, got {shift_labels.dtype}")
+    target = flat_targets(hidden, weight, shift_labels, ignore_index)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature must be a float > 0, got {temperature!r}")
     if not 0.0 < float(temperature) < float("inf"):
@@ -212,14 +187,6 @@ def head_logprobs(hidden, weight, bias, shift_labels, *, ignore_index=-100, temp
     if logits_fn is not None and not callable(logits_fn):
         raise TypeError(f"logits_fn must be callable or None, got {type(logits_fn).__name__}")
     rows = tile_rows(tile, weight.shape[0], hidden.dtype, "tile")
-    vocab = weight.shape[0]
-    flat = shift_labels.reshape(-1)
-    bad = (flat != ignore_index) & ((flat < 0) | (flat >= vocab))
-    if bool(bad.any()):
-        raise ValueError(f"labels hold {flat[bad][0].item()}, outside [0, {vocab}) and not "
-                         f"ignore_index={ignore_index}")
-    target = torch.where(flat == ignore_index, torch.full_like(flat, -1), flat).to(
-        device=hidden.device, dtype=torch.long)
     shape = shift_labels.shape
     lp, ent = _TiledLogProbs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, target,
                                    rows, logits_fn, float(temperature), entropy)

@@ -178,6 +178,62 @@ def _shifted(labels, ignore_index: int) -> torch.Tensor:
     return torch.cat([labels[..., 1:], pad], dim=-1)
 
 
+def head_and_targets(name: str, lm_head, shift_labels, labels, ignore_index: int,
+                     instead: str):
+    """(weight, bias, shifted targets) of a tiled call's ``lm_head`` (a plain Linear or a
+    [V, H] weight) and its targets (``shift_labels`` or ``labels``, exactly one).
+
+    Raises:
+        TypeError: neither or both targets; a head that is not a plain linear (``instead``
+            says what to do) or a 2-D weight; labels that are a shard.
+    """
+    if (shift_labels is None) == (labels is None):
+        raise TypeError(f"{name} takes the targets as shift_labels= (already shifted) or as "
+                        "labels= (unshifted, shifted as transformers shifts them), by "
+                        f"keyword: got {'both' if labels is not None else 'neither'}")
+    if labels is not None:
+        shift_labels = _shifted(labels, ignore_index)
+    if isinstance(lm_head, torch.nn.Module):
+        problem = plain_layer_problem(lm_head)
+        if problem is not None:
+            raise TypeError(f"{name} computes a plain linear head from its weight, without "
+                            f"its forward, and {problem}: {instead}")
+        return lm_head.weight, lm_head.bias, shift_labels
+    if isinstance(lm_head, torch.Tensor) and lm_head.dim() == 2:
+        return lm_head, None, shift_labels
+    raise TypeError(f"lm_head must be a torch.nn.Linear or its [V, H] weight, got "
+                    f"{type(lm_head).__name__}")
+
+
+def flat_targets(hidden, weight, labels, ignore_index: int) -> torch.Tensor:
+    """[N] long targets of ``labels`` (-1: none) on ``hidden``'s device, checked against
+    ``hidden`` [..., H] and the head's ``weight`` [V, H].
+
+    Raises:
+        TypeError: a weight that is not [V, H], tensors that are not, labels that are not
+            integer ids.
+        ValueError: shapes that do not match; a label outside [0, V) that is not
+            ``ignore_index``.
+    """
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise TypeError(f"the head's weight must be a [V, H] tensor, got {type(weight).__name__}")
+    if not isinstance(hidden, torch.Tensor) or not isinstance(labels, torch.Tensor):
+        raise TypeError("hidden and labels must be tensors")
+    if hidden.shape[:-1] != labels.shape or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} must be labels' shape "
+                         f"{tuple(labels.shape)} plus the head's input size {weight.shape[1]}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be integer token ids, got {labels.dtype}")
+    vocab = weight.shape[0]
+    flat = labels.reshape(-1)
+    bad = (flat != ignore_index) & ((flat < 0) | (flat >= vocab))
+    if bool(bad.any()):
+        raise ValueError(f"labels hold {flat[bad][0].item()}, outside [0, {vocab}) and not "
+                         f"ignore_index={ignore_index}")
+    return torch.where(flat == ignore_index, torch.full_like(flat, -1), flat).to(
+        device=hidden.device, dtype=torch.long)
+
+
 def tiled_lm_loss(hidden: torch.Tensor, lm_head, *, shift_labels: torch.Tensor | None = None,
                   labels: torch.Tensor | None = None, ignore_index: int = -100, num_items_in_batch=None, tile=DEFAULT_TILE,
                   label_smoothing: float = 0.0, z_loss: float = 0.0,
@@ -225,24 +281,9 @@ def tiled_lm_loss(hidden: torch.Tensor, lm_head, *, shift_labels: torch.Tensor |
         ValueError: shapes that do not match, a tile < 1 or an unreadable budget, a label outside [0, V) that is
             not ``ignore_index``, a smoothing outside [0, 1), a negative z-loss, a count <= 0.
     """
-    if (shift_labels is None) == (labels is None):
-        raise TypeError("tiled_lm_loss takes the targets as shift_labels= (already shifted) or "
-                        "as labels= (unshifted, shifted as transformers shifts them), by "
-                        f"keyword: got {'both' if labels is not None else 'neither'}")
-    if labels is not None:
-        shift_labels = _shifted(labels, ignore_index)
-    if isinstance(lm_head, torch.nn.Module):
-        problem = plain_layer_problem(lm_head)
-        if problem is not None:
-            raise TypeError(f"tiled_lm_loss computes a plain linear head from its weight, "
-                            f"without its forward, and {problem}: compute this head's loss "
-                            f"untiled")
-        weight, bias = lm_head.weight, lm_head.bias
-    elif isinstance(lm_head, torch.Tensor) and lm_head.dim() == 2:
-        weight, bias = lm_head, None
-    else:
-        raise TypeError(f"lm_head must be a torch.nn.Linear or its [V, H] weight, got "
-                        f"{type(lm_head).__name__}")
+    weight, bias, shift_labels = head_and_targets(
+        "tiled_lm_loss", lm_head, shift_labels, labels, ignore_index,
+        "compute this head's loss untiled")
     return head_loss(hidden, weight, bias, shift_labels, ignore_index=ignore_index,
                      num_items_in_batch=num_items_in_batch, tile=tile,
                      label_smoothing=label_smoothing, z_loss=z_loss, logits_fn=logits_fn)
@@ -252,27 +293,12 @@ def head_loss(hidden, weight, bias, labels, *, ignore_index=-100, num_items_in_b
               tile=DEFAULT_TILE, label_smoothing=0.0, z_loss=0.0, logits_fn=None):
     """``tiled_lm_loss`` of the head ``(weight, bias)`` (bias None or [V]), for callers
     holding a head's tensors rather than its module (an FSDP head's gathered weight)."""
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise TypeError(f"the head's weight must be a [V, H] tensor, got {type(weight).__name__}")
-    if not isinstance(hidden, torch.Tensor) or not isinstance(labels, torch.Tensor):
-        raise TypeError("hidden and labels must be tensors")
-    if hidden.shape[:-1] != labels.shape or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"hidden {tuple(hidden.shape)} must be labels' shape "
-                         f"{tuple(labels.shape)} plus the head's input size {weight.shape[1]}")
-    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
-        raise TypeError(f"labels must be integer token ids, got {labels.dtype}")
+    target = flat_targets(hidden, weight, labels, ignore_index)
     tile = tile_rows(tile, weight.shape[0], hidden.dtype, "tile")
     if not 0.0 <= float(label_smoothing) < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
     if float(z_loss) < 0.0 or float(z_loss) != float(z_loss):
         raise ValueError(f"z_loss must be >= 0, got {z_loss!r}")
-    vocab = weight.shape[0]
-    flat = labels.reshape(-1)
-    bad = (flat != ignore_index) & ((flat < 0) | (flat >= vocab))
-    if bool(bad.any()):
-        raise ValueError(f"labels hold {flat[bad][0].item()}, outside [0, {vocab}) and not "
-                         f"ignore_index={ignore_index}")
-    target = torch.where(flat == ignore_index, torch.full_like(flat, -1), flat).to(torch.long)
     if num_items_in_batch is None:
         denom = (target >= 0).sum().to(torch.float32)
     else:
@@ -285,7 +311,7 @@ def head_loss(hidden, weight, bias, labels, *, ignore_index=-100, num_items_in_b
         raise TypeError(f"logits_fn must be callable or None, got {type(logits_fn).__name__}")
     want = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias))
-    return _TiledLoss.apply(hidden2, weight, bias, target.to(hidden.device), denom, tile,
+    return _TiledLoss.apply(hidden2, weight, bias, target, denom, tile,
                             float(label_smoothing), float(z_loss), logits_fn, want)
 
 

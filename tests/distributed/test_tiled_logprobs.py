@@ -121,7 +121,7 @@ def test_refusals_name_the_value():
         ra.tiled_logprobs(hidden, head, labels=ids, shift_labels=ids)
     with pytest.raises(ValueError, match=f"outside \\[0, {V}\\)"):
         ra.tiled_logprobs(hidden, head, shift_labels=ids.masked_fill(ids == ids[0, 0], V))
-    with pytest.raises(ValueError, match="must be the labels' shape"):
+    with pytest.raises(ValueError, match="must be labels' shape"):
         ra.tiled_logprobs(hidden, head, shift_labels=ids[:, :4])
     with pytest.raises(ValueError, match="tile"):
         ra.tiled_logprobs(hidden, head, labels=ids, tile=0)

@@ -48,7 +48,7 @@ from trl import GRPOTrainer
 
 from ..transformers import check_attention, check_model
 from .hf_trainer import RingTrainerMixin
-from .trl import _bound, _refuse_args, _refuse_built, _ShardedModel, _unwrapped
+from .trl import _bound, _refuse_args, _refuse_built, _ShardedModel, _unwrapped, as_read
 
 __all__ = ["RingGRPOTrainer"]
 
@@ -167,13 +167,7 @@ class RingGRPOTrainer(RingTrainerMixin, GRPOTrainer):
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The micro-batches as read (GRPO shards inside its scoring forwards); no count."""
-        batches = []
-        for _ in range(num_batches):
-            try:
-                batches.append(next(epoch_iterator))
-            except StopIteration:
-                break
-        return batches, None
+        return as_read(epoch_iterator, num_batches), None
 
     # ---- generation and rewards: the same on every rank, checked ---------------------
 

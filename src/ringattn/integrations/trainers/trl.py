@@ -343,6 +343,18 @@ class _ShardedModel:
         return FusedCausalLMOutput(loss=None, aux_loss=None, **fields)
 
 
+def as_read(epoch_iterator, num_batches: int) -> list:
+    """Up to ``num_batches`` micro-batches of ``epoch_iterator``, as read (for trainers that
+    shard inside their model calls)."""
+    batches = []
+    for _ in range(num_batches):
+        try:
+            batches.append(next(epoch_iterator))
+        except StopIteration:
+            break
+    return batches
+
+
 class RingDPOTrainer(RingTrainerMixin, DPOTrainer):
     """TRL's ``DPOTrainer``, context-parallel: arguments are DPOTrainer's (``ref_model``
     required, a ring-attention model too) plus ``RingTrainerMixin``'s.
@@ -375,13 +387,7 @@ class RingDPOTrainer(RingTrainerMixin, DPOTrainer):
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The global micro-batches (DPO shards inside the model calls); no target count:
         DPO's loss is a mean over pairs."""
-        batches = []
-        for _ in range(num_batches):
-            try:
-                batches.append(next(epoch_iterator))
-            except StopIteration:
-                break
-        return batches, None
+        return as_read(epoch_iterator, num_batches), None
 
     def _compute_loss(self, model, inputs, return_outputs):
         """TRL's DPO loss and metrics, with policy and reference run sharded and their
