@@ -11,7 +11,8 @@ its dtype, the family's transform (``logits_fn``), the float32 upcast, then ``/
 temperature``, as TRL and verl compute them), takes the target's log-probability and the
 entropy, and keeps nothing of the tile; the backward computes each tile's logits again and
 their gradient for the incoming weights of the log-probabilities and entropies (any
-weighted sum of them: a policy loss, a KL penalty, an entropy bonus). Four products with
+weighted sum of them: a policy loss, a KL penalty, an entropy bonus), by hand in two
+[tile, V] buffers (by autograd through ``logits_fn`` when there is one). Four products with
 the head's weight per token (the recomputation is one), against three untiled.
 
 Under context parallelism it takes this rank's shard of the hidden states and
@@ -61,7 +62,32 @@ def _tile_values(z, target, entropy: bool):
     if not entropy:
         return lp, None
     p = torch.softmax(z, dim=-1)
-    return lp, lse - (p * z).sum(-1)
+    return lp, lse - torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1)
+
+
+def _tile_grad(h, w, b, target, g_lp, g_ent, temperature):
+    """d(g_lp . lp + g_ent . ent) / d(head output) of one tile, in the head's dtype, for a
+    head without a transform: with logp = log_softmax(z / T) and p = exp(logp),
+    d lp / d z = (onehot(target) - p) / T and d ent / d z = -p (logp + ent) / T."""
+    z = torch.nn.functional.linear(h, w, b)
+    work = torch.promote_types(z.dtype, torch.float32)
+    logp = z.to(work) if z.dtype != work else z  # [R, V], then log-probabilities in place
+    if temperature != 1.0:
+        logp.div_(temperature)
+    logp.sub_(torch.logsumexp(logp, dim=-1, keepdim=True))
+    dz = logp.exp()  # p, then the gradient in place
+    has = target >= 0
+    g_lp = torch.where(has, g_lp.to(work), torch.zeros((), dtype=work, device=z.device))
+    coef = g_lp.unsqueeze(-1)  # [R, 1]: a position without a target has lp = 0
+    if g_ent is not None:  # logp + ent, times g_ent, plus g_lp: in logp's buffer
+        ent = -torch.bmm(dz.unsqueeze(1), logp.unsqueeze(2)).view(-1, 1)
+        coef = logp.add_(ent).mul_(g_ent.to(work).unsqueeze(-1)).add_(coef)
+    dz.mul_(coef).neg_()
+    rows = has.nonzero().squeeze(-1)
+    dz[rows, target[rows]] += g_lp[rows]
+    if temperature != 1.0:
+        dz.div_(temperature)
+    return dz if dz.dtype == w.dtype else dz.to(w.dtype)
 
 
 class _TiledLogProbs(torch.autograd.Function):
@@ -100,9 +126,25 @@ class _TiledLogProbs(torch.autograd.Function):
                                 device=weight.device) if need_w else None)
         d_bias = (torch.zeros(bias.shape, dtype=torch.promote_types(bias.dtype, torch.float32),
                               device=bias.device) if need_b else None)
+        use_ent = entropy and g_ent is not None and g_ent.numel() > 0
+        if logits_fn is None:  # by hand: two [R, V] buffers per tile, no graph
+            w, b = weight.detach(), None if bias is None else bias.detach()
+            for start in range(0, hidden.shape[0], rows):
+                sl = slice(start, start + rows)
+                h = hidden[sl].detach()
+                dz = _tile_grad(h, w, b, target[sl], g_lp[sl],
+                                g_ent[sl] if use_ent else None, temperature)
+                if need_h:
+                    d_hidden[sl] = (dz @ w).to(hidden.dtype)
+                if need_w:
+                    d_weight.add_(dz.t() @ h.to(dz.dtype))
+                if need_b:
+                    d_bias.add_(dz.sum(0))
+            return (d_hidden, None if d_weight is None else d_weight.to(weight.dtype),
+                    None if d_bias is None else d_bias.to(bias.dtype), None, None, None, None,
+                    None)
         w = weight.detach().requires_grad_(need_w)
         b = None if bias is None else bias.detach().requires_grad_(need_b)
-        use_ent = entropy and g_ent is not None and g_ent.numel() > 0
         for start in range(0, hidden.shape[0], rows):
             sl = slice(start, start + rows)
             h = hidden[sl].detach().requires_grad_(need_h)

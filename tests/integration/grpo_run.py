@@ -15,6 +15,8 @@ SGD without clipping):
   accumulation 2 (one generation batch of 8 rows per optimizer step), three steps;
 * ``grpo_iter``: ``num_iterations=2`` (the old policy's log-probabilities are computed and
   the clipping acts), ``loss_type="grpo"``, ``epsilon=0.05``, ``mask_truncated_completions``;
+* ``grpo_hybrid``: a tiny Qwen3-Next (a Gated DeltaNet layer and an attention layer),
+  converted by ``convert`` under CP (TRL's reference too), two steps;
 * ``refusals`` (CP only): the errors of the refused options and of ranks whose rewards
   differ;
 * ``docs``: docs/trainers.md's ``RingGRPOTrainer`` block as printed (CP), or TRL's trainer
@@ -62,9 +64,52 @@ def model_dir(out: Path) -> str:
         # words w2..w12 end a completion too (TRL reads the generation config's ids), so
         # that completions end at different lengths
         model.generation_config.eos_token_id = list(range(1, 13))
-        model.save_pretrained(path)
+        model.save_pretrained(path)  # (before torch.distributed runs: every rank saves)
         tokenizer().save_pretrained(path)
     return str(path)
+
+
+def hybrid_dir(out: Path) -> str:
+    """A tiny Qwen3-Next (Gated DeltaNet and attention layers), saved once: by the first
+    rank once torch.distributed runs (transformers saves on rank 0 only), the others wait."""
+    import torch.distributed as dist
+
+    from families import build
+
+    path = out / "qwen3_next"
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    if first and not (path / "config.json").exists():
+        model = build("qwen3_next", "eager")
+        model.generation_config.eos_token_id = list(range(1, 13))
+        model.save_pretrained(path)
+        tokenizer().save_pretrained(path)
+    if dist.is_initialized():
+        dist.barrier()
+    return str(path)
+
+
+def grpo_hybrid(ref, out):
+    """GRPO of a hybrid model: converted by ``convert`` under CP (its reference too)."""
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOTrainer
+
+    from ringattn.integrations import transformers as ra_hf
+    from ringattn.integrations.trl import RingGRPOTrainer
+
+    path = hybrid_dir(out)
+    attn = "eager" if ref else "ringattn"
+    # its experts' router loss off (the case is about the Gated DeltaNet layers)
+    args = config(out / "grpo_hybrid", model_init_kwargs={"attn_implementation": attn,
+                                                         "dtype": torch.float32}, max_steps=2,
+                  router_aux_loss_coef=0.0)
+    grads = Grads()
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn,
+                                                 dtype=torch.float32)
+    kw = dict(reward_funcs=[distinct, short], args=args, train_dataset=prompts(16, 3),
+              processing_class=tokenizer(), callbacks=[grads.callback])
+    trainer = (GRPOTrainer(model=model, **kw) if ref
+               else RingGRPOTrainer(model=ra_hf.convert(model), **kw, layout="zigzag"))
+    return train(trainer, grads)
 
 
 def config(out, **overrides):
@@ -93,6 +138,11 @@ def grpo(ref, out, name, **overrides):
               train_dataset=prompts(16, 3), processing_class=tokenizer(),
               callbacks=[grads.callback])
     trainer = GRPOTrainer(**kw) if ref else RingGRPOTrainer(**kw, layout="zigzag")
+    return train(trainer, grads)
+
+
+def train(trainer, grads):
+    """Train; (the log history, {every step's gradients, every generation's completions})."""
     seen = []
     generate = trainer._generate
 
@@ -172,6 +222,7 @@ CASES = {
     "grpo_iter": lambda ref, out: grpo(ref, out, "grpo_iter", num_iterations=2,
                                        loss_type="grpo", epsilon=0.05,
                                        mask_truncated_completions=True),
+    "grpo_hybrid": grpo_hybrid,
     "refusals": refusals,
     "docs": docs,
 }
@@ -181,7 +232,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ref", action="store_true")
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--cases", default="grpo,grpo_iter,docs")
+    ap.add_argument("--cases", default="grpo,grpo_iter,grpo_hybrid,docs")
     args = ap.parse_args()
     rank = start_runner(args)
     for name in args.cases.split(","):

@@ -3,14 +3,16 @@ logs in one process on the same prompts, generates the same completions, and ste
 the same gradients: every logged metric (loss, grad_norm, kl, entropy, the clip ratios,
 rewards and their std per function, reward_std, frac_reward_zero_std, completion lengths,
 num_tokens) and every parameter's gradient at every optimizer step, on every rank (fp32,
-1e-5 relative; an exact 0 must be 0). Refused options raise by name; rewards that differ
+1e-5 relative, a gradient relative to itself or to 1e-3 of the whole model's, as
+test_families.py compares; an exact 0 must be 0). Refused options raise by name; rewards that differ
 across the ranks raise on every rank.
 
 One launch per world size runs every case of ``grpo_run.py`` (one process runs TRL's own
 trainer; the docs' block runs as printed). Cases: ``grpo`` (TRL's default loss, beta 0.1 with the reference model, gradient
 accumulation 2) and ``grpo_iter`` (``num_iterations=2``: the old policy's log-probabilities
-and the clipping; ``loss_type="grpo"``, ``epsilon=0.05``, ``mask_truncated_completions``);
-prompts left-padded, completions of 2 to 8 tokens.
+and the clipping; ``loss_type="grpo"``, ``epsilon=0.05``, ``mask_truncated_completions``) and ``grpo_hybrid`` (a tiny Qwen3-Next, Gated DeltaNet and
+attention layers, converted by ``convert``); prompts left-padded, completions of 1 to 8
+tokens.
 """
 
 import json
@@ -29,8 +31,9 @@ from launches import launch_all  # noqa: E402
 
 WORLDS = (2, 3)
 TOL = 1e-5
-CASES = ("grpo", "grpo_iter")
+CASES = ("grpo", "grpo_iter", "grpo_hybrid")
 TIMEOUT = 400
+GRAD_FLOOR = 1e-3
 SKIP = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "step_time",
         "total_flos"}
 
@@ -69,7 +72,7 @@ def test_grpo_logs_completions_and_gradients_equal_one_process(runs, worst_error
                                                                world):
     want_logs, want = _load(runs, "ref", case, 0)
     steps = [h for h in want_logs if "loss" in h]
-    assert len(steps) == 3 and want["grads"]
+    assert len(steps) == (2 if case == "grpo_hybrid" else 3) and want["grads"]
     # the run is not degenerate: completions of unequal lengths, a KL, a moving loss
     assert any(h["completions/min_length"] < h["completions/max_length"] for h in steps)
     assert any(h["kl"] > 0 for h in steps) and any(h["loss"] != 0 for h in steps)
@@ -89,12 +92,16 @@ def test_grpo_logs_completions_and_gradients_equal_one_process(runs, worst_error
                 _record(worst_errors, ("GRPO", key.split("/")[0]), err)
                 assert err <= TOL, f"{where} log {i} {key}: {a} vs one process {b} ({err:.2e})"
                 n += 1
-        assert n >= 60, n
+        assert n >= 40, n
         assert len(got["grads"]) == len(want["grads"]), where
         for step, (g, w) in enumerate(zip(got["grads"], want["grads"])):
             assert set(g) == set(w), (where, step)
+            # relative to the parameter's gradient, or to GRAD_FLOOR of the whole model's
+            # where that is larger (test_families.py's rule: a tiny gradient, such as the
+            # Gated DeltaNet's dt_bias, is rounding noise of the whole at 1e-5 of itself)
+            floor = GRAD_FLOOR * float(torch.cat([r.flatten() for r in w.values()]).norm())
             for name, ref in w.items():
-                err = float((g[name] - ref).norm() / ref.norm())
+                err = float((g[name] - ref).norm()) / max(float(ref.norm()), floor)
                 _record(worst_errors, ("GRPO", "gradient"), err)
                 assert err <= TOL, f"{where} step {step} grad {name}: {err:.2e}"
 

@@ -35,6 +35,10 @@ process's rewards, each of which a CP rank holds W times), ``top_entropy_quantil
 quantile over every process's entropies, likewise), evaluation (``eval_dataset``),
 vision inputs, a MoE router auxiliary loss, and a model or reference model whose attention
 is not ring attention. At run time: completions or rewards that differ across the ranks.
+
+A hybrid model (Gated DeltaNet, Mamba) runs converted: pass the policy converted by
+``ringattn.integrations.transformers.convert`` (with its ``config._name_or_path`` the
+directory TRL loads the reference from); the reference TRL loads is converted alike.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ import torch
 import torch.distributed as dist
 from trl import GRPOTrainer
 
-from ..transformers import check_attention, check_model
+from ..transformers import check_attention, check_model, convert, converted
 from .hf_trainer import RingTrainerMixin
 from .trl import _bound, _refuse_args, _refuse_built, _ShardedModel, _unwrapped, as_read
 
@@ -135,8 +139,13 @@ class RingGRPOTrainer(RingTrainerMixin, GRPOTrainer):
         super().__init__(*args, **kwargs)
         _refuse_built(self)
         if self.ref_model is not None:
-            check_attention(_unwrapped(self.ref_model))
-            check_model(_unwrapped(self.ref_model))
+            ref = _unwrapped(self.ref_model)
+            # TRL loads the reference from the policy's path: a converted policy (a hybrid
+            # model's sequence mixers, a global router loss) gets a converted reference
+            if converted(_unwrapped(self.model)) and not converted(ref):
+                convert(ref)
+            check_attention(ref)
+            check_model(ref)
 
     # ---- data: the one-process generation batches on every rank ----------------------
 
