@@ -1,6 +1,6 @@
 """Run by tests/integration/test_trl_grpo.py: short GRPO runs of a tiny Llama, either TRL's
-``GRPOTrainer`` in one process (``--ref``) or ``RingGRPOTrainer`` under torchrun, every case
-in one launch.
+``GRPOTrainer`` in one process (``--ref``; under torchrun, TRL's own data parallelism) or
+``RingGRPOTrainer`` under torchrun (``--cp-size``: dp x cp), every case in one launch.
 
 Every process writes ``<out>/<case>.<rank>.json`` (the log history: every metric GRPO
 logs) and ``<out>/<case>.<rank>.pt`` (every parameter's gradient at every optimizer step and
@@ -124,6 +124,9 @@ def config(out, **overrides):
     return GRPOConfig(**kw)
 
 
+CP_SIZE = None  # --cp-size: ranks per CP group (None: the world)
+
+
 def grpo(ref, out, name, **overrides):
     from trl import GRPOTrainer
 
@@ -137,7 +140,8 @@ def grpo(ref, out, name, **overrides):
     kw = dict(model=path, reward_funcs=[distinct, short], args=args,
               train_dataset=prompts(16, 3), processing_class=tokenizer(),
               callbacks=[grads.callback])
-    trainer = GRPOTrainer(**kw) if ref else RingGRPOTrainer(**kw, layout="zigzag")
+    trainer = (GRPOTrainer(**kw) if ref
+               else RingGRPOTrainer(**kw, layout="zigzag", cp_size=CP_SIZE))
     return train(trainer, grads)
 
 
@@ -233,7 +237,11 @@ def main():
     ap.add_argument("--ref", action="store_true")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--cases", default="grpo,grpo_iter,grpo_hybrid,docs")
+    ap.add_argument("--cp-size", type=int, default=None,
+                    help="ranks per CP group (dp x cp); with --ref under torchrun: TRL's DP")
     args = ap.parse_args()
+    global CP_SIZE
+    CP_SIZE = args.cp_size
     rank = start_runner(args)
     for name in args.cases.split(","):
         res = CASES[name](args.ref, args.out)
@@ -243,9 +251,9 @@ def main():
         logs, tensors = res
         torch.save(tensors, args.out / f"{name}.{rank}.pt")
         (args.out / f"{name}.{rank}.json").write_text(json.dumps(logs))
-    if not args.ref:  # leave together
-        import torch.distributed as dist
+    import torch.distributed as dist
 
+    if dist.is_initialized():  # leave together
         dist.barrier()
         dist.destroy_process_group()
 

@@ -48,12 +48,17 @@ def runs(tmp_path_factory):
         cases = ",".join((*CASES, "refusals", "docs")) if w == 2 else ",".join(CASES)
         cmds[w] = [*torchrun, "--nproc-per-node", str(w), str(RUN), "--out", str(out / f"cp{w}"),
                    "--cases", cases]
+    # dp 2 x cp 2 against TRL's own data parallelism on 2 processes
+    cmds["refdp2"] = [*torchrun, "--nproc-per-node", "2", str(RUN), "--ref", "--out",
+                      str(out / "refdp2"), "--cases", "grpo"]
+    cmds["dp2cp2"] = [*torchrun, "--nproc-per-node", "4", str(RUN), "--out",
+                      str(out / "dp2cp2"), "--cases", "grpo", "--cp-size", "2"]
     return out, launch_all(cmds, out, TIMEOUT)
 
 
 def _load(runs, kind, case, rank):
     out, failures = runs
-    d = out / ("ref" if kind == "ref" else f"cp{kind}")
+    d = out / (kind if isinstance(kind, str) else f"cp{kind}")
     path = d / f"{case}.{rank}.json"
     if not path.exists():
         pytest.fail(f"{kind} rank {rank} wrote no {case} results:\n{failures[kind]}")
@@ -70,7 +75,21 @@ def _record(worst_errors, key, err):
 @pytest.mark.parametrize("case", CASES)
 def test_grpo_logs_completions_and_gradients_equal_one_process(runs, worst_errors, case,
                                                                world):
-    want_logs, want = _load(runs, "ref", case, 0)
+    _compare(runs, worst_errors, case, "ref", world, range(world))
+
+
+@pytest.mark.timeout(3 * TIMEOUT)
+def test_grpo_dp2_by_cp2_equals_trl_data_parallel(runs, worst_errors):
+    """4 ranks as 2 dp replicas x CP 2 (``cp_size=2``) against TRL's GRPOTrainer on 2
+    data-parallel processes without CP: each replica generates what TRL's process of its
+    index generates, and every logged metric and gradient are TRL's."""
+    _compare(runs, worst_errors, "grpo", "refdp2", "dp2cp2", range(4))
+
+
+def _compare(runs, worst_errors, case, ref_kind, kind, ranks):
+    """Every rank of ``kind``'s run of ``case`` against rank 0 of ``ref_kind``'s (the
+    completions: against the reference rank of the same replica)."""
+    want_logs, want = _load(runs, ref_kind, case, 0)
     steps = [h for h in want_logs if "loss" in h]
     assert len(steps) == (2 if case == "grpo_hybrid" else 3) and want["grads"]
     # the run is not degenerate: completions of unequal lengths, a KL, a moving loss
@@ -78,10 +97,12 @@ def test_grpo_logs_completions_and_gradients_equal_one_process(runs, worst_error
     assert any(h["kl"] > 0 for h in steps) and any(h["loss"] != 0 for h in steps)
     if case == "grpo_iter":
         assert any(h.get("clip_ratio/region_mean", 0) > 0 for h in steps), steps
-    for rank in range(world):
-        logs, got = _load(runs, world, case, rank)
-        where = f"{case} W={world} rank {rank}"
-        assert got["completions"] == want["completions"], where  # the same rollouts
+    per_replica = len(ranks) // 2 if ref_kind == "refdp2" else len(ranks)
+    for rank in ranks:
+        logs, got = _load(runs, kind, case, rank)
+        where = f"{case} {kind} rank {rank}"
+        rollouts = _load(runs, ref_kind, case, rank // per_replica)[1]["completions"]
+        assert got["completions"] == rollouts, where  # the same rollouts
         assert len(logs) == len(want_logs), where
         n = 0
         for i, (g, w) in enumerate(zip(logs, want_logs)):

@@ -7,8 +7,9 @@ Legend: B rows of a micro-batch (prompt + completion), S their padded length, W 
     trainer = RingGRPOTrainer(model=path, reward_funcs=reward, args=GRPOConfig(...),
                               train_dataset=prompts, processing_class=tokenizer)
 
-The CP group is ONE data-parallel replica: every rank reads the prompts one process reads
-(TRL's ``RepeatSampler``, its generation batch sized for one process), generates the same
+Each CP group is ONE data-parallel replica (``cp_size``: ranks per group; the world by
+default): its ranks read the prompts one of TRL's data-parallel processes reads (TRL's
+``RepeatSampler``, its generation batch sized for the dp replicas), generate the same
 completions (transformers' ``generate``, run with the "sdpa" attention for the generation
 and checked to agree on every rank), computes the same rewards (checked to agree) and the
 same advantages (every rank takes the group's first rank's random state before it
@@ -20,15 +21,16 @@ logits), and the per-token values are gathered into the global [B, S - 1] tensor
 ``ringattn.unshard`` (autograd: its backward hands each rank the gradient of its own
 tokens). TRL's own ``_compute_loss`` then runs on them unchanged, so the loss, the KL, the
 clip ratios and the entropy are the one-process values on every rank; the loss is
-multiplied by W for DDP's averaging (each rank's gradient holds its tokens' share).
+multiplied by the CP size for DDP's averaging (each rank's gradient holds its tokens'
+share).
 
-TRL's collectives run over the world, which holds W copies of one replica's values:
+TRL's collectives run over the world, which holds cp copies of each replica's values:
 means, minima and maxima are unchanged, and the counts TRL divides by the number of
 processes come out right; ``num_tokens`` counts one copy; the standard deviations of the logged rewards are recomputed on
 one copy; the logged completion tables (deques of one generation batch) keep the last copy.
 
 Refused with a ValueError, on every rank, before training: what ``RingSFTTrainer`` refuses
-(``neftune_noise_alpha``, ``use_liger_kernel``, ``cp_size`` below the world), vLLM
+(``neftune_noise_alpha``, ``use_liger_kernel``; but dp x cp is served), vLLM
 generation (``use_vllm``: not run here), ``scale_rewards="batch"`` and
 ``multi_objective_aggregation="normalize_then_sum"`` (a standard deviation over every
 process's rewards, each of which a CP rank holds W times), ``top_entropy_quantile`` < 1 (a
@@ -128,16 +130,24 @@ class RingGRPOTrainer(RingTrainerMixin, GRPOTrainer):
         if bound.get("eval_dataset") is not None:
             raise ValueError(f"{name} does not evaluate yet (eval_dataset): its generation "
                              "batches are not sharded for evaluation")
-        # the generation batch of ONE replica (dp = 1), not of W processes
-        grpo_args.generation_batch_size = (grpo_args.per_device_train_batch_size
+        # the generation batch of the dp replicas (each CP group one), not of W processes
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        cp = kwargs.get("cp_size") or world
+        replicas = world // cp if world % cp == 0 else 1  # (else the mixin refuses cp_size)
+        grpo_args.generation_batch_size = (grpo_args.per_device_train_batch_size * replicas
                                            * grpo_args.steps_per_generation)
         if grpo_args.generation_batch_size % grpo_args.num_generations:
             raise ValueError(
-                f"{name}: per_device_train_batch_size x steps_per_generation = "
-                f"{grpo_args.generation_batch_size} (the group's generation batch) must be "
+                f"{name}: per_device_train_batch_size x dp x steps_per_generation = "
+                f"{grpo_args.generation_batch_size} (the generation batch) must be "
                 f"divisible by num_generations={grpo_args.num_generations}")
         super().__init__(*args, **kwargs)
-        _refuse_built(self)
+        _refuse_built(self, dp=True)
+        self.cp_size = dist.get_world_size(self.cp_group)
+        if self.dp_size > 1:  # TRL seeds process p with seed + p: replica r is process r
+            from accelerate.utils import set_seed
+
+            set_seed(self.args.seed + self.dp_rank)
         if self.ref_model is not None:
             ref = _unwrapped(self.ref_model)
             # TRL loads the reference from the policy's path: a converted policy (a hybrid
@@ -150,9 +160,8 @@ class RingGRPOTrainer(RingTrainerMixin, GRPOTrainer):
     # ---- data: the one-process generation batches on every rank ----------------------
 
     def get_train_dataloader(self):
-        """Every rank reads what one process reads: TRL's ``RepeatSampler`` over the
-        dataset, batches of ``per_device_train_batch_size x steps_per_generation`` prompts,
-        not split over the ranks."""
+        """Every rank of a CP group reads what one data-parallel process of TRL reads: TRL's
+        ``RepeatSampler`` over the dataset, split over the dp replicas only."""
         from accelerate.data_loader import prepare_data_loader
         from torch.utils.data import DataLoader, IterableDataset
 
@@ -171,8 +180,8 @@ class RingGRPOTrainer(RingTrainerMixin, GRPOTrainer):
                             self.args.steps_per_generation, sampler=self._get_train_sampler(dataset),
                             collate_fn=collator, drop_last=self.args.dataloader_drop_last,
                             num_workers=self.args.dataloader_num_workers)
-        return prepare_data_loader(loader, self.args.device, num_processes=1, process_index=0,
-                                   put_on_device=True)
+        return prepare_data_loader(loader, self.args.device, num_processes=self.dp_size,
+                                   process_index=self.dp_rank, put_on_device=True)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The micro-batches as read (GRPO shards inside its scoring forwards); no count."""
@@ -209,8 +218,8 @@ class RingGRPOTrainer(RingTrainerMixin, GRPOTrainer):
         before = self.state.num_input_tokens_seen
         with self._generation_attention():
             out = super()._generate(prompts)
-        # TRL counts the tokens of every process: the group's W copies, once
-        seen = before + (self.state.num_input_tokens_seen - before) // dist.get_world_size()
+        # TRL counts the tokens of every process: each replica's cp copies, once
+        seen = before + (self.state.num_input_tokens_seen - before) // self.cp_size
         self.state.num_input_tokens_seen = seen
         mode = "train" if self.model.training else "eval"
         if self._metrics[mode].get("num_tokens"):
@@ -220,18 +229,21 @@ class RingGRPOTrainer(RingTrainerMixin, GRPOTrainer):
         return out
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        """TRL's rewards of every process (W copies of this group's): checked to be W equal
-        copies; one is kept for the logged standard deviations."""
+        """TRL's rewards of every process (cp copies of each replica's): checked to be equal
+        within each CP group; one copy per replica is kept for the logged standard
+        deviations."""
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        copies = rewards.view(dist.get_world_size(), -1, rewards.shape[-1])
-        same = all(torch.equal(torch.nan_to_num(c, nan=-1.5e308), torch.nan_to_num(
-            copies[0], nan=-1.5e308)) for c in copies[1:])
+        # [dp, cp, N, F]: the mesh's ranks are replica-major
+        copies = torch.nan_to_num(rewards, nan=-1.5e308).view(
+            self.dp_size, self.cp_size, -1, rewards.shape[-1])
+        same = bool((copies == copies[:, :1]).all())
         if not same:  # every rank sees the same gathered tensor: the same decision
             raise ValueError("RingGRPOTrainer: the reward functions returned different values "
                              "on the ranks of the context-parallel group for the same "
                              "completions (a reward drawn per rank, or read from per-rank "
                              "state): every rank must compute the same rewards")
-        self._ring_rewards = copies[0].clone()
+        self._ring_rewards = rewards.view(self.dp_size, self.cp_size, -1, rewards.shape[-1])[
+            :, 0].reshape(-1, rewards.shape[-1]).clone()
         return rewards
 
     def _generate_and_score_completions(self, inputs):
@@ -264,15 +276,15 @@ class RingGRPOTrainer(RingTrainerMixin, GRPOTrainer):
             logits_to_keep, batch_size=batch_size, compute_entropy=compute_entropy)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """GRPO's loss of the global micro-batch, times W (DDP averages the ranks'
-        gradients, each of which holds its own tokens' share)."""
-        return GRPOTrainer.compute_loss(self, model, inputs, return_outputs) * \
-            self.accelerator.num_processes
+        """GRPO's loss of the replica's micro-batch, times the CP size (DDP averages over
+        dp x cp ranks, each of whose gradients holds its own tokens' share; TRL's DP
+        averages over dp)."""
+        return GRPOTrainer.compute_loss(self, model, inputs, return_outputs) * self.cp_size
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        """GRPO's step; returns the global loss, which every rank holds already."""
+        """GRPO's step; returns the replica's loss, which its ranks hold already."""
         loss = GRPOTrainer.training_step(self, model, inputs, num_items_in_batch)
-        return loss / self.accelerator.num_processes
+        return loss / self.cp_size
 
 
 if __name__ == "__main__":  # a library module: name the programs, do not exit 0

@@ -143,10 +143,11 @@ def _aux_loss_asked(model, args) -> bool:
     return hasattr(text, "output_router_logits") and coef != 0.0
 
 
-def _refuse_built(trainer) -> None:
-    """What the built trainer shows that cannot be exact (see the module doc)."""
+def _refuse_built(trainer, dp: bool = False) -> None:
+    """What the built trainer shows that cannot be exact (see the module doc); ``dp``: the
+    trainer serves dp x cp."""
     name = type(trainer).__name__
-    if trainer.dp_size > 1:
+    if trainer.dp_size > 1 and not dp:
         raise ValueError(f"{name} runs the whole world as one context-parallel group; cp_size="
                          f"{dist.get_world_size() // trainer.dp_size} of {dist.get_world_size()} "
                          "ranks (dp x cp) is not supported")
