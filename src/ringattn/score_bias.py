@@ -30,7 +30,7 @@ import torch
 from .kernels import get_kernel
 from .spec import accumulator_dtype
 from .strategies.ring import attention_backward, attention_forward, build_ring
-from .validate import caller_error, no_autocast, unit_stride
+from .validate import autocast_inputs, caller_error, no_autocast, unit_stride
 
 __all__ = ["RelativeBias", "ring_attention_with_bias"]
 
@@ -115,7 +115,8 @@ def ring_attention_with_bias(q, k, v, rel_bias, *, rel_extent: int, query_sinks=
         Every other argument is ``ring_attention``'s (return_lse is not offered).
 
     Returns:
-        out [B, L, H, Dv] in q's dtype.
+        out [B, L, H, Dv] in q's dtype (under ``torch.autocast``: q, k, v are cast to its
+        dtype first, as ``ring_attention`` casts them, and so is out).
 
     Raises:
         TypeError, ValueError: the same error on every rank, before any ring message.
@@ -125,6 +126,7 @@ def ring_attention_with_bias(q, k, v, rel_bias, *, rel_extent: int, query_sinks=
     if not isinstance(rel_extent, int) or isinstance(rel_extent, bool):
         raise TypeError(f"rel_extent must be an int, got {type(rel_extent).__name__}")
     scale = (1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale))
+    q, k, v = autocast_inputs(q, k, v)  # under autocast, its dtype (as ring_attention)
     try:  # this rank's refusal travels in the agreement: every rank raises it
         _check_bias(q, rel_bias, query_sinks, rel_extent)
         error = None

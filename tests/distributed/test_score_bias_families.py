@@ -12,6 +12,8 @@ integrations/transformers/families/score_bias.py).
   equals one process in float64 on every rank, W = 2 and 3, plain and left-padded, a layer
   whose bias ties on every key included; a keep_window_size that differs between ranks
   raises the same ValueError on every rank.
+* Under bf16 autocast, mixed-dtype q, k, v are cast to bf16 as ``ring_attention`` casts
+  them (Inkling under autocast raised "q, k, v must share a dtype" before).
 * Inkling with its logarithmic query scaling (``log_scaling_n_floor``, off in the survey's
   config) equals one process at W = 2: plain, left-padded, packed and contiguous.
 """
@@ -236,6 +238,28 @@ def test_doge_keep_window_size_differing_between_ranks_is_refused_on_every_rank(
     assert said[0] == said[1], said
     want = "ranks disagree on keep_window_size" if other == 12 else "out of step"
     assert all(s and want in s for s in said), said
+
+
+def _autocast_case():
+    """Rank function: under bf16 autocast, q in bf16 beside fp32 k, v (what a model's
+    projections give under autocast: Inkling's path) run, and equal the call on q, k, v
+    cast to bf16 by hand, bit for bit; the output is bf16."""
+    from ringattn.score_bias import ring_attention_with_bias
+
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (ra.shard(torch.randn(1, 13, h, 8, generator=g), seqlen=13) for h in (4, 2, 2))
+    table = ra.shard(torch.randn(1, 13, 4, 3, generator=g), seqlen=13)
+    kw = dict(rel_extent=3, seqlen=13, softmax_scale=0.3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = ring_attention_with_bias(q.bfloat16(), k, v, table, **kw)
+    by_hand = ring_attention_with_bias(q.bfloat16(), k.bfloat16(), v.bfloat16(), table, **kw)
+    return mixed.dtype, bool(torch.equal(mixed, by_hand))
+
+
+@pytest.mark.timeout(120)
+def test_bias_under_autocast_takes_its_dtype(clusters):
+    for rank, (dtype, equal) in enumerate(clusters(2).run(_autocast_case, timeout=100)):
+        assert dtype == torch.bfloat16 and equal, (rank, dtype, equal)
 
 
 def _inkling_log_scaled():
