@@ -41,6 +41,7 @@ Writes ``<out>/eagle3_longest.json`` and ``eagle3_longest.png``.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import statistics
@@ -54,7 +55,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, Cluster, TensorBytes, machine_info, write_json  # noqa: E402
+from common import (RESULTS, Cluster, TensorBytes, machine_info, paired_rounds,  # noqa: E402
+                    write_json)
 
 MODEL = dict(vocab=128256, draft_vocab=32000, hidden=128, heads=4, kv_heads=2,
              intermediate=256, target_layers=3, ttt_steps=7)
@@ -101,16 +103,7 @@ def peak_task(model: dict, teacher: str, s: int, pad: int) -> dict:
 
 def time_task(model: dict, s: int, pad: int, rounds: int) -> dict:
     steps = {t: _setup(model, t, pad) for t in TEACHERS}
-    times = {t: [] for t in TEACHERS}
-    for r in range(rounds + 1):  # round 0 warms both at this S and is dropped
-        for t in (TEACHERS if r % 2 else TEACHERS[::-1]):
-            dist.barrier()
-            t0 = time.perf_counter()
-            steps[t](s)
-            took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            if r:
-                times[t].append(float(took))
+    times = paired_rounds({t: functools.partial(steps[t], s) for t in TEACHERS}, rounds)
     return {t: statistics.median(v) for t, v in times.items()} | {"rounds": times}
 
 

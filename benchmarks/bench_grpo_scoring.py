@@ -37,6 +37,7 @@ Writes ``<out>/grpo_scoring.json`` and ``grpo_scoring.png``.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -50,7 +51,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, Cluster, TensorBytes, machine_info, write_json  # noqa: E402
+from common import (RESULTS, Cluster, TensorBytes, machine_info, paired_rounds,  # noqa: E402
+                    write_json)
 
 MODEL = dict(vocab=151936, hidden=128, layers=16, heads=4, kv_heads=2, intermediate=256)
 METHODS = ("untiled", "tiled")
@@ -146,16 +148,7 @@ def peak_task(model: dict, cases: list) -> list:
 
 def time_task(model: dict, s: int, rounds: int) -> dict:
     step = _setup(model)
-    times = {m: [] for m in METHODS}
-    for r in range(rounds + 1):  # round 0 warms both at this S and is dropped
-        for m in (METHODS if r % 2 else METHODS[::-1]):
-            dist.barrier()
-            t0 = time.perf_counter()
-            step(s, m)
-            took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            if r:
-                times[m].append(float(took))
+    times = paired_rounds({m: functools.partial(step, s, m) for m in METHODS}, rounds)
     return {"median_s": {m: statistics.median(v) for m, v in times.items()}, "rounds_s": times}
 
 
@@ -286,7 +279,7 @@ def markdown(data) -> str:
             ratio = f", {r['over_w1']:.2f}x W = 1" if w > 1 and r.get("over_w1") else ""
             cells.append(f"{r.get('max_s')} ({r.get('first_over')}{ratio})")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    lines += ["", f"| peak MiB per rank | " + " | ".join(f"W = {w}" for w in worlds) + " |",
+    lines += ["", "| peak MiB per rank | " + " | ".join(f"W = {w}" for w in worlds) + " |",
               "|---|" + "---:|" * len(worlds)]
     for m in METHODS:
         lines.append(f"| {m}, S = {o['seqlen']} | " + " | ".join(

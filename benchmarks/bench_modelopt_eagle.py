@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import json
 import os
@@ -44,7 +45,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, Cluster, TensorBytes, machine_info, write_json  # noqa: E402
+from common import (RESULTS, Cluster, TensorBytes, machine_info, paired_rounds,  # noqa: E402
+                    write_json)
 
 MODEL = dict(vocab=128256, draft_vocab=32000, hidden=128, heads=4, kv_heads=2, head_dim=32,
              intermediate=256, layers=2)
@@ -124,16 +126,7 @@ def peak_task(model: dict, cases: list) -> list:
 
 def time_task(model: dict, s: int, rounds: int) -> dict:
     step, ttt = _setup(model)
-    times = {t: [] for t in TEACHERS}
-    for r in range(rounds + 1):  # round 0 warms both at this S and is dropped
-        for t in (TEACHERS if r % 2 else TEACHERS[::-1]):
-            dist.barrier()
-            t0 = time.perf_counter()
-            step(s, t)
-            took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            if r:
-                times[t].append(float(took))
+    times = paired_rounds({t: functools.partial(step, s, t) for t in TEACHERS}, rounds)
     return {"median_s": {t: statistics.median(v) for t, v in times.items()},
             "rounds_s": times, "ttt_steps": ttt}
 

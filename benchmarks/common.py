@@ -78,6 +78,25 @@ def timed(step, *, iters: int, warmup: int, group=None) -> list[float]:
     return times
 
 
+def paired_rounds(steps: dict, rounds: int, group=None) -> dict:
+    """{name: [seconds of each round]} of the callables ``steps`` timed in ``rounds`` paired
+    rounds after a warm-up round (dropped): each round runs every step once, the order
+    reversed every other round; each time the max over the group's ranks."""
+    group = dist.group.WORLD if group is None else group
+    names = list(steps)
+    times = {n: [] for n in names}
+    for r in range(rounds + 1):
+        for n in (names if r % 2 else names[::-1]):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            steps[n]()
+            took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
+            if r:
+                times[n].append(float(took))
+    return times
+
+
 def summary(times: list[float]) -> dict:
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
             "n": len(times)}
