@@ -3,7 +3,7 @@ documents packed into one row without padding, the targets rolled on the whole r
 then cut into contiguous slices (OpenRLHF through ring-flash-attn's API, verl through
 ``position_ids``). Each rank's per-token log-probabilities and entropies, and the gradients
 of a weighted sum of them (all-reduced), equal one process running each document alone,
-for documents whose total does not divide W (W = 2, 3; fp32):
+for documents whose total does not divide W (W = 2, 31 tokens; fp32):
 
 * through ringattn's ring-flash-attn shim (``substitute_hf_flash_attn``,
   ``update_ring_flash_attn_params``, each rank fed ``torch.chunk(x, W, dim=1)[rank]``);
@@ -144,7 +144,7 @@ def seam_cases():
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2])  # 31 tokens: chunks of 16 and 15
 def test_packed_seam_gives_one_process_logprobs(clusters, world):
     pytest.importorskip("transformers")
     results = clusters(world).run(seam_cases, timeout=200)
