@@ -1,6 +1,6 @@
-"""One GRPO scoring + loss step under CP at a 152k vocabulary: per-token log-probabilities
-in tiles (``ringattn.tiled_logprobs``) beside the untiled ones (the logits, then
-log-softmax), per-rank memory and the longest sequence under a cap, at W = 1, 2, 4.
+"""One GRPO scoring + loss step under CP at a 152k vocabulary: the loss in tiles
+(``ringattn.tiled_token_loss``) beside the untiled one (the logits, then log-softmax),
+per-rank memory and the longest sequence under a cap, at W = 1, 2, 4.
 
 Legend: S global seq (prompt + completion), L = S / W, V vocabulary.
 
@@ -15,9 +15,13 @@ third position and -0.5 elsewhere, plus ``0.04`` times the k3 KL to the referenc
 head is the policy's moved by N(0, 0.05)), a masked mean over the completion's tokens (the last 3/4 of
 the row; the global count), the backward and the gradients' all-reduce. "untiled" computes
 each log-probability from the [L, V] logits (``lm_head``, ``/ temperature``,
-``log_softmax``: what a trainer without a fused head does); "tiled" from the hidden states
-with ``tiled_logprobs`` (the default tile, "16MiB": 27 rows at this V). The weights'
-gradients (the embedding's and the head's [V, H] each, 74 MiB) count in both.
+``log_softmax``: what a trainer without a fused head does); "tiled" from the hidden states,
+the reference's log-probabilities with ``tiled_logprobs`` and the policy's loss with
+``tiled_token_loss`` (the per-token loss above, its gradients computed in the forward; the
+default tile, "16MiB": 27 rows at this V); "tiled_logprobs", timed only, the policy's
+log-probabilities with ``tiled_logprobs`` and the loss on them by autograd (each tile's
+logits computed again in the backward). The weights' gradients (the embedding's and the
+head's [V, H] each, 74 MiB) count in every method.
 
 Memory is the peak of live tensor bytes on a rank during one step (``common.TensorBytes``;
 the weights made before), the max over ranks. Measured: the peak at a fixed S
@@ -56,6 +60,7 @@ from common import (RESULTS, Cluster, TensorBytes, machine_info, paired_rounds, 
 
 MODEL = dict(vocab=151936, hidden=128, layers=16, heads=4, kv_heads=2, intermediate=256)
 METHODS = ("untiled", "tiled")
+TIMED = METHODS + ("tiled_logprobs",)
 WORLDS = (1, 2, 4)
 TEMPERATURE, EPSILON, BETA = 0.9, 0.2, 0.04
 
@@ -88,17 +93,27 @@ def _setup(model: dict):
     params = [p for p in policy.parameters()]
     group = dist.group.WORLD
 
+    def hidden_of(m, local):
+        return m.model(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                       ring_context=local["ring_context"]).last_hidden_state
+
     def logprobs(m, local, method, entropy):
-        hidden = m.model(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                         ring_context=local["ring_context"]).last_hidden_state
-        target = local["shift_labels"]
-        if method == "tiled":
+        hidden, target = hidden_of(m, local), local["shift_labels"]
+        if method != "untiled":
             return ra.tiled_logprobs(hidden, m.lm_head, shift_labels=target,
                                      temperature=TEMPERATURE, entropy=entropy)
         logp = torch.log_softmax(m.lm_head(hidden).float() / TEMPERATURE, dim=-1)
         lp = logp.gather(-1, target.clamp_min(0)[..., None])[..., 0] * (target >= 0)
         ent = -(logp.exp() * logp).sum(-1) if entropy else None
         return lp, ent
+
+    def token_loss(lp, ent, advantage, ref_lp, weight):
+        """GRPO's per-token loss (one iteration: the old policy is the policy, detached),
+        the KL to the reference, times the token's weight (its mask over the count)."""
+        ratio = torch.exp(lp - lp.detach())
+        clipped = torch.clamp(ratio, 1 - EPSILON, 1 + EPSILON)
+        kl = torch.exp(ref_lp - lp) - (ref_lp - lp) - 1
+        return (-torch.minimum(ratio * advantage, clipped * advantage) + BETA * kl) * weight
 
     def step(s: int, method: str) -> float:
         g = torch.Generator().manual_seed(s)
@@ -110,28 +125,29 @@ def _setup(model: dict):
         local = ra_hf.prepare_batch(policy, {"input_ids": ids, "labels": labels}, group=group)
         with torch.no_grad():
             ref_lp, _ = logprobs(reference, local, method, False)
-        lp, ent = logprobs(policy, local, method, True)
         mask = (local["shift_labels"] >= 0).float()
         advantage = torch.where(local["position_ids"] % 3 == 0, 1.0, -0.5)  # per token
-        ratio = torch.exp(lp - lp.detach())
-        clipped = torch.clamp(ratio, 1 - EPSILON, 1 + EPSILON)
-        per_token = -torch.min(ratio * advantage, clipped * advantage)
-        kl = torch.exp(ref_lp - lp) - (ref_lp - lp) - 1
-        per_token = per_token + BETA * kl
         count = mask.sum().detach().clone()
         dist.all_reduce(count, group=group)
-        loss = (per_token * mask).sum() / count
+        if method == "tiled":  # the loss's gradients in its forward: nothing recomputed
+            loss = ra.tiled_token_loss(
+                hidden_of(policy, local), policy.lm_head, token_loss,
+                shift_labels=local["shift_labels"], temperature=TEMPERATURE, entropy=True,
+                inputs={"advantage": advantage, "ref_lp": ref_lp, "weight": mask / count}).loss
+        else:
+            lp, ent = logprobs(policy, local, method, True)
+            loss = token_loss(lp, ent, advantage, ref_lp, mask / count).sum()
+            del ent
         loss.backward()
         for p in params:
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=group)
         total = loss.detach().clone()
         dist.all_reduce(total, group=group)
-        del ent
         return float(total)
 
-    step(64 * dist.get_world_size(), "tiled")  # warm-up
-    step(64 * dist.get_world_size(), "untiled")
+    for method in TIMED:  # warm-up
+        step(64 * dist.get_world_size(), method)
     return step
 
 
@@ -148,7 +164,7 @@ def peak_task(model: dict, cases: list) -> list:
 
 def time_task(model: dict, s: int, rounds: int) -> dict:
     step = _setup(model)
-    times = paired_rounds({m: functools.partial(step, s, m) for m in METHODS}, rounds)
+    times = paired_rounds({m: functools.partial(step, s, m) for m in TIMED}, rounds)
     return {"median_s": {m: statistics.median(v) for m, v in times.items()}, "rounds_s": times}
 
 
@@ -235,6 +251,7 @@ def run(args, out: Path) -> dict:
         med = got["median_s"]
         data["time"] = {"W": 2, "S": args.time_s, **got,
                         "tiled_over_untiled": med["tiled"] / med["untiled"],
+                        "tiled_logprobs_over_untiled": med["tiled_logprobs"] / med["untiled"],
                         "load_average": list(os.getloadavg())}
     bar.close()
     data["summary"] = summarize(data)
@@ -292,8 +309,10 @@ def markdown(data) -> str:
     if data["time"]:
         t = data["time"]
         lines.append(f"step time at W = 2, S = {t['S']}: tiled / untiled "
-                     f"{t['tiled_over_untiled']:.2f}x (medians of {len(t['rounds_s']['tiled'])} "
-                     f"paired rounds, load average {t['load_average'][0]:.1f})")
+                     f"{t['tiled_over_untiled']:.2f}x, tiled_logprobs / untiled "
+                     f"{t['tiled_logprobs_over_untiled']:.2f}x (medians of "
+                     f"{len(t['rounds_s']['tiled'])} paired rounds, load average "
+                     f"{t['load_average'][0]:.1f})")
     return "\n".join(lines)
 
 

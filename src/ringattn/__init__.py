@@ -24,7 +24,7 @@ from .strategies.ring import ring_attention
 from .strategies.ulysses import ulysses_attention
 from .batch import RingContext, all_reduce_metrics, shard_batch
 from .comm import hybrid_mesh
-from .logprobs import LogProbs, tiled_logprobs
+from .logprobs import LogProbs, TokenLoss, tiled_logprobs, tiled_token_loss
 from .loss import tiled_lm_loss
 from .merge import merge
 from .sharding import positions, shard, unshard
@@ -55,6 +55,8 @@ __all__ = [
     "tiled_lm_loss",
     "tiled_logprobs",
     "LogProbs",
+    "tiled_token_loss",
+    "TokenLoss",
     "ulysses_attention",
     "unshard",
     "varlen_attention",

@@ -151,17 +151,25 @@ class _TiledLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.grads is None:
-            raise RuntimeError("tiled_lm_loss: its backward already ran (its gradients, "
-                               "computed in the forward, were handed out): a second backward "
-                               "through the same loss (retain_graph) is not supported")
-        grads, ctx.grads = ctx.grads, None
-        out = []
-        for d, dtype in zip(grads, ctx.dtypes):
-            if d is not None:
-                d = d.mul_(grad.to(d.dtype)).to(dtype)  # in place: no second copy
-            out.append(d)
-        return (*out, None, None, None, None, None, None, None)
+        return (*hand_out(ctx, grad, "tiled_lm_loss"), None, None, None, None, None, None,
+                None)
+
+
+def hand_out(ctx, grad, name: str) -> list:
+    """The backward of a loss whose gradients the forward computed (``ctx.grads``: hidden,
+    weight, bias, each None or a tensor; ``ctx.dtypes``: theirs): each times ``grad``, in
+    place (the loss is linear in it), once."""
+    if ctx.grads is None:
+        raise RuntimeError(f"{name}: its backward already ran (its gradients, computed in "
+                           f"the forward, were handed out): a second backward through the "
+                           f"same loss (retain_graph) is not supported")
+    grads, ctx.grads = ctx.grads, None
+    out = []
+    for d, dtype in zip(grads, ctx.dtypes):
+        if d is not None:
+            d = d.mul_(grad.to(d.dtype)).to(dtype)  # in place: no second copy
+        out.append(d)
+    return out
 
 
 def _shifted(labels, ignore_index: int) -> torch.Tensor:

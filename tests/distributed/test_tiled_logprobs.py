@@ -5,7 +5,11 @@ weight and bias), float64 within 1e-12 and float32 within 1e-6, for tiles of 1, 
 the default budget, temperatures 1 and 0.6, a soft cap, positions without a target. Under
 CP (W = 2, 3; S = 29 divides neither 2W; plain, left-padded and packed rows) each rank's
 values on its shard, gathered, and the ranks' gradients (hidden gathered, head summed)
-equal one process's. Bad input is refused by name."""
+equal one process's. Bad input is refused by name.
+
+``ringattn.tiled_token_loss`` (a per-position loss of the log-probabilities and entropies,
+its gradients computed in the forward): the loss, values and gradients against the untiled
+loss, alike, and under CP the ranks' losses summed against one process's."""
 
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ def _untiled(hidden, weight, bias, shifted, temperature, logits_fn, ignore=-100)
 
 
 def _rel(a, b) -> float:
+    a, b = a.detach(), b.detach()
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
@@ -192,6 +197,25 @@ def cp_cases():
         both = back(torch.stack([got.logprobs, got.entropy], -1).detach())
         mine_vals = [both[..., 0], both[..., 1], back(mine.grad), d_w, d_b]
         results[name] = (max(_rel(a, b) for a, b in zip(mine_vals, ref)), world)
+        # tiled_token_loss on the shards: the ranks' losses sum to one process's loss
+        inputs = _token_inputs(torch.Generator().manual_seed(4), (rows, S), torch.float64)
+        full = hidden_all[:rows].clone().requires_grad_()
+        head.zero_grad()
+        loss, _, _ = _token_untiled(full, head.weight, head.bias, shifted, 0.7, None, inputs,
+                                    True)
+        loss.backward()
+        ref = [loss.detach(), full.grad, head.weight.grad.clone(), head.bias.grad.clone()]
+        head.zero_grad()
+        mine = mine_of(hidden_all[:rows]).detach().requires_grad_()
+        got = ra.tiled_token_loss(mine, head, _grpo_token, shift_labels=local["shift_labels"],
+                                  inputs={k: mine_of(v) for k, v in inputs.items()},
+                                  temperature=0.7, entropy=True, tile=3)
+        got.loss.backward()
+        parts = torch.cat([got.loss.detach().view(1), head.weight.grad.reshape(-1),
+                           head.bias.grad])
+        dist.all_reduce(parts)
+        mine_vals = [parts[0], back(mine.grad), parts[1:1 + V * H].view(V, H), parts[1 + V * H:]]
+        results[name + " token loss"] = (max(_rel(a, b) for a, b in zip(mine_vals, ref)), world)
     return results
 
 
@@ -202,3 +226,183 @@ def test_tiled_logprobs_under_cp_equal_one_process(clusters, world):
         for name, (err, w) in results.items():
             assert w == world
             assert err < 1e-12, (name, rank, err)
+
+
+# ---------------------------------------------------------------- tiled_token_loss
+
+
+def _grpo_token(lp, ent, adv, ref, weight, ent_weight):
+    """One position's GRPO-style loss: the clipped ratio to the policy's own detached value
+    (one iteration), a k3 KL to a reference, an entropy bonus; weights are normalisers."""
+    ratio = torch.exp(lp - lp.detach())
+    clipped = torch.clamp(ratio, 0.8, 1.2)
+    kl = torch.exp(ref - lp) - (ref - lp) - 1
+    return ((-torch.minimum(ratio * adv, clipped * adv) + 0.04 * kl) * weight
+            - (0.0 if ent is None else ent * ent_weight))
+
+
+def _token_inputs(g, shape, dtype):
+    adv = torch.randn(shape, generator=g, dtype=dtype)
+    ref = -torch.rand(shape, generator=g, dtype=dtype) * 4
+    weight = torch.rand(shape, generator=g, dtype=dtype)
+    ent_weight = 0.01 * torch.rand(shape, generator=g, dtype=dtype)
+    return dict(adv=adv, ref=ref, weight=weight, ent_weight=ent_weight)
+
+
+def _token_untiled(hidden, weight, bias, shifted, temperature, logits_fn, inputs, entropy):
+    lp, ent = _untiled(hidden, weight, bias, shifted, temperature, logits_fn)
+    return _grpo_token(lp, ent if entropy else None, **inputs).sum(), lp, ent
+
+
+def _compare_token(dtype, tile, temperature, logits_fn, bias, flat, entropy):
+    g = torch.Generator().manual_seed(7)
+    head = torch.nn.Linear(H, V, bias=bias).to(dtype)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, H, generator=g, dtype=dtype))
+        if bias:
+            head.bias.copy_(torch.randn(V, generator=g, dtype=dtype))
+    hidden = torch.randn(2, S, H, generator=g, dtype=dtype)
+    ids = torch.randint(0, V, (2, S), generator=g)
+    ids[1, :4] = -100
+    shifted = torch.full_like(ids, -100)
+    shifted[:, :-1] = ids[:, 1:]
+    inputs = _token_inputs(g, (2, S), dtype)
+    if flat:
+        hidden, shifted = hidden.reshape(2 * S, H), shifted.reshape(-1)
+        inputs = {k: v.reshape(-1) for k, v in inputs.items()}
+    out = {}
+    for name in ("tiled", "untiled"):
+        head.zero_grad()
+        h = hidden.clone().requires_grad_()
+        if name == "tiled":
+            got = ra.tiled_token_loss(h, head, _grpo_token, shift_labels=shifted, inputs=inputs,
+                                      temperature=temperature, entropy=entropy, tile=tile,
+                                      logits_fn=logits_fn)
+            loss, lp, ent = got
+            assert not lp.requires_grad and (ent is None) == (not entropy)
+        else:
+            loss, lp, ent = _token_untiled(h, head.weight, head.bias, shifted, temperature,
+                                           logits_fn, inputs, entropy)
+        loss.backward()
+        out[name] = ([lp.detach()] + ([ent.detach()] if entropy else []),
+                     [loss.detach(), h.grad, head.weight.grad] + ([head.bias.grad] if bias
+                                                                   else []))
+    return tuple(max(_rel(a, b) for a, b in zip(mine, theirs))
+                 for mine, theirs in zip(out["tiled"], out["untiled"]))
+
+
+@pytest.mark.parametrize("dtype,tol,loss_tol", [(torch.float64, 1e-12, 1e-12),
+                                                (torch.float32, 1e-6, 1e-5)])
+@pytest.mark.parametrize("tile", [1, 4, "16MiB"])
+def test_tiled_token_loss_equals_the_untiled_loss(dtype, tol, loss_tol, tile):
+    """The log-probabilities and entropies (float64 within 1e-12, fp32 1e-6), the loss and
+    the gradients of hidden states, head weight and bias (fp32: 1e-5, sums of terms of both
+    signs; ``test_tiled_token_loss_fp32_against_float64`` bounds them against float64) equal
+    the untiled computation's, with and without entropy, a soft cap (autograd per tile) and
+    without (by hand), flat or [B, L]."""
+    for temperature, logits_fn, bias, flat, entropy in ((1.0, None, True, False, True),
+                                                        (0.6, _softcap, False, False, True),
+                                                        (0.6, None, True, True, False),
+                                                        (0.8, _softcap, True, True, False)):
+        err, err_loss = _compare_token(dtype, tile, temperature, logits_fn, bias, flat, entropy)
+        assert err <= tol and err_loss <= loss_tol, (dtype, tile, temperature, logits_fn,
+                                                     entropy, err, err_loss)
+
+
+def test_tiled_token_loss_fp32_against_float64():
+    """fp32 inputs against the float64 computation of the same values: within fp32
+    rounding."""
+    g = torch.Generator().manual_seed(11)
+    head = torch.nn.Linear(H, V)
+    hidden = torch.randn(1, S, H, generator=g)
+    ids = torch.randint(0, V, (1, S), generator=g)
+    inputs = _token_inputs(g, (1, S), torch.float32)
+    h = hidden.clone().requires_grad_()
+    loss = ra.tiled_token_loss(h, head, _grpo_token, labels=ids, inputs=inputs, entropy=True,
+                               temperature=0.7, tile=5).loss
+    loss.backward()
+    head64 = torch.nn.Linear(H, V).double()
+    head64.load_state_dict(head.state_dict())
+    h64 = hidden.double().requires_grad_()
+    shifted = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)
+    ref, _, _ = _token_untiled(h64, head64.weight, head64.bias, shifted, 0.7, None,
+                               {k: v.double() for k, v in inputs.items()}, True)
+    ref.backward()
+    assert abs(float(loss.detach()) - float(ref.detach())) <= 1e-5 * max(1.0, abs(float(ref)))
+    for a, b in ((h.grad, h64.grad), (head.weight.grad, head64.weight.grad),
+                 (head.bias.grad, head64.bias.grad)):
+        assert _rel(a.double(), b) < 1e-5
+
+
+def test_tiled_token_loss_edges():
+    """A position's loss sees only that position; inputs with trailing dimensions; the head
+    alone trainable; no gradient wanted (no_grad); a rank with no tokens; one backward."""
+    g = torch.Generator().manual_seed(2)
+    head = torch.nn.Linear(H, V).double()
+    hidden = torch.randn(1, S, H, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, V, (1, S), generator=g)
+    pair = torch.randn(1, S, 2, generator=g, dtype=torch.float64)
+
+    def fn(lp, ent, pair):  # a trailing dimension: each position's [2]
+        assert lp.dim() == 0 and pair.shape == (2,)
+        return pair[0] * lp + pair[1] * lp.square()
+
+    got = ra.tiled_token_loss(hidden, head, fn, labels=ids, inputs={"pair": pair}, tile=3)
+    got.loss.backward()  # hidden needs no gradient: the head's alone
+    lp = ra.tiled_logprobs(hidden, head, labels=ids).logprobs
+    assert _rel(got.logprobs, lp.detach()) < 1e-14
+    w_grad = head.weight.grad.clone()
+    head.zero_grad()
+    (pair[..., 0] * lp + pair[..., 1] * lp.square()).sum().backward()
+    assert _rel(w_grad, head.weight.grad) < 1e-12
+    with torch.no_grad():
+        again = ra.tiled_token_loss(hidden, head, fn, labels=ids, inputs={"pair": pair})
+    assert not again.loss.requires_grad and _rel(again.loss, got.loss.detach()) < 1e-14
+    # a rank with nothing to do: 0 tokens, loss 0, zero gradients of the head
+    head.zero_grad()
+    empty = hidden[:, :0].clone().requires_grad_()
+    none = ra.tiled_token_loss(empty, head, fn, shift_labels=ids[:, :0],
+                               inputs={"pair": pair[:, :0]})
+    none.loss.backward()
+    assert float(none.loss) == 0.0 and empty.grad.shape == (1, 0, H)
+    assert not head.weight.grad.any()
+    h = hidden.clone().requires_grad_()
+    loss = ra.tiled_token_loss(h, head, fn, labels=ids, inputs={"pair": pair}).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward already ran"):
+        loss.backward()
+
+
+def test_tiled_token_loss_refusals_name_the_value():
+    head = torch.nn.Linear(H, V)
+    hidden = torch.randn(1, 5, H)
+    ids = torch.randint(0, V, (1, 5))
+    adv = torch.randn(1, 5)
+
+    def fn(lp, ent, adv):
+        return lp * adv
+
+    with pytest.raises(TypeError, match="token_loss must be callable"):
+        ra.tiled_token_loss(hidden, head, None, labels=ids)
+    with pytest.raises(TypeError, match="inputs must be a dict"):
+        ra.tiled_token_loss(hidden, head, fn, labels=ids, inputs=[adv])
+    with pytest.raises(TypeError, match=r"inputs\['adv'\] must be a tensor"):
+        ra.tiled_token_loss(hidden, head, fn, labels=ids, inputs={"adv": 1.0})
+    with pytest.raises(TypeError, match=r"inputs\['adv'\] requires a gradient"):
+        ra.tiled_token_loss(hidden, head, fn, labels=ids,
+                            inputs={"adv": adv.clone().requires_grad_()})
+    with pytest.raises(ValueError, match=r"inputs\['adv'\] has shape \(5,\)"):
+        ra.tiled_token_loss(hidden, head, fn, labels=ids, inputs={"adv": adv[0]})
+    with pytest.raises(TypeError, match="argument names"):
+        ra.tiled_token_loss(hidden, head, fn, labels=ids, inputs={"a b": adv})
+    with pytest.raises(TypeError, match="one position's loss, a 0-d tensor"):
+        ra.tiled_token_loss(hidden, head, lambda lp, ent, adv: torch.stack([lp, adv]),
+                            labels=ids, inputs={"adv": adv})
+    with pytest.raises(ValueError, match="temperature must be a finite float > 0"):
+        ra.tiled_token_loss(hidden, head, fn, labels=ids, inputs={"adv": adv}, temperature=0.0)
+    with pytest.raises(TypeError, match="neither"):
+        ra.tiled_token_loss(hidden, head, fn, inputs={"adv": adv})
+    # a Python branch on a value cannot see one position: torch refuses it, nothing is summed
+    with pytest.raises(RuntimeError):
+        ra.tiled_token_loss(hidden, head, lambda lp, ent, adv: lp if adv > 0 else -lp,
+                            labels=ids, inputs={"adv": adv})
