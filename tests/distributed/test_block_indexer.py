@@ -10,13 +10,15 @@ each document as its own sequence; MiniMax-M3 refuses packed rows on every rank)
 and contiguous layouts, S = 37 (not a multiple of the block size 4, nor of 2W); ties (the
 indexers' query projections zeroed: every score row is flat, so torch.topk's own tie rule
 picks the blocks, here on every rank as in one process); a top k at least the number of
-blocks; a rank whose shard holds only padding (S = 4 on 3 ranks); float64 (the models in
+blocks; a rank whose shard holds only padding (S = 4 on 3 ranks); gradient checkpointing
+on plain and left-padded rows (the backward recomputes the sparse layers after the model's
+forward has returned); float64 (the models in
 double against transformers' sdpa in double: MiniMax-M3's logits within 1e-8; losses and
 gradients within 1e-5, as transformers' loss upcasts the logits to float32 and Qwen4-Exp's
 Gated DeltaNet scans in float32).
 MiniMax-M3 with left padding and a sparse layer after an attention layer is refused on
 every rank with its reason, as Qwen4-Exp with per-layer n-gram embeddings is by
-``convert``.
+``convert``, and both families sharded for another strategy (Ulysses, all-gather) are.
 """
 
 from __future__ import annotations
@@ -85,6 +87,9 @@ def _model(family, variant, attn, dtype):
     model = cls(config).to(dtype)
     if variant == "ties":
         _ties(model, family)
+    if variant == "checkpointing":  # the backward recomputes each layer, after the forward
+        model.gradient_checkpointing_enable()
+        model.train()
     return model
 
 
@@ -118,10 +123,19 @@ CASES = [  # (family, variant, batch kind, layout, S, dtype)
     ("qwen4", "ties", "packed", "contiguous", 37, torch.float64),
     ("minimax", "late", "plain", "zigzag", 37, torch.float32),
     ("minimax", "late", "left-padding", "zigzag", 37, torch.float32),
+    *((f, "checkpointing", k, "zigzag", 37, torch.float32) for f in FAMILY
+      for k in ("plain", "left-padding")),
+    *((f, strategy, "plain", "zigzag", 37, torch.float32) for f in FAMILY
+      for strategy in ("ulysses", "allgather")),
 ]
 
 REFUSED = {("minimax", "survey", "packed"): "packed rows are refused",
-           ("minimax", "late", "left-padding"): "sparse layers come first"}
+           ("minimax", "late", "left-padding"): "sparse layers come first",
+           **{(f, strategy, "plain"): "runs with strategy 'ring' on a 1-D group"
+              for f in FAMILY for strategy in ("ulysses", "allgather")}}
+"""(family, variant, batch kind) -> what every rank's ValueError says."""
+STRATEGIES = ("ulysses", "allgather")
+"""Variants that shard the batch with another strategy than the ring: refused."""
 
 
 def _cases(cases) -> dict:
@@ -142,7 +156,8 @@ def _cases(cases) -> dict:
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=60))
         try:
             model = ra_hf.convert(_model(family, variant, "ringattn", dtype))
-            local = ra_hf.prepare_batch(model, batch, group=group, layout=layout)
+            local = ra_hf.prepare_batch(model, batch, group=group, layout=layout,
+                                        strategy=variant if variant in STRATEGIES else "ring")
             out = model(**local, use_cache=False)
             local["ring_context"].check_consumed(model)
             out.loss.backward()

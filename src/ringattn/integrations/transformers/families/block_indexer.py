@@ -51,8 +51,8 @@ from ....strategies.auto import attention
 from ....validate import caller_error
 from ..attention import _check_call
 from ..checks import register_attention
-from ..state import (SwapMixin, current_call, hook_restore_padding, missing_error, owner,
-                     swap_class)
+from ..state import (SwapMixin, bind_context, bound_call, current_call, hook_restore_padding,
+                     missing_error, owner, swap_class)
 
 __all__ = ["BlockSelection", "convert_block_indexer"]
 
@@ -345,7 +345,9 @@ def _minimax_selection(module, hidden, position_embeddings, position_ids, attent
                 "that keep no block of their own see no key (undefined); packed rows are "
                 "refused")
         if ctx.left_padding is not None:
-            call = current_call(owner(module))
+            # the forward's call, also when gradient checkpointing recomputes the layer
+            # after the model's forward has returned (``bind_context``)
+            call = bound_call(module) or current_call(owner(module))
             if module.layer_idx != 0:
                 raise ValueError(
                     f"MiniMax-M3's sparse layer {module.layer_idx} scores the left padding's "
@@ -487,6 +489,7 @@ def convert_block_indexer(model) -> None:
         module.__class__ = swap_class(mixin, base)
     if family == "minimax_m3_vl_text":  # its indexer scores the left padding's keys
         hook_restore_padding(model)
+        bind_context(model, found)  # the call (padding restored?) reaches a recomputation
 
 
 if __name__ == "__main__":  # a library module: name the programs, do not exit 0
