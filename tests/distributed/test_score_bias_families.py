@@ -16,6 +16,8 @@ integrations/transformers/families/score_bias.py).
   them (Inkling under autocast raised "q, k, v must share a dtype" before).
 * Inkling with its logarithmic query scaling (``log_scaling_n_floor``, off in the survey's
   config) equals one process at W = 2: plain, left-padded, packed and contiguous.
+* Inkling, Inkling2 and Doge sharded for Ulysses or the all-gather strategy are refused on
+  every rank, naming the strategy.
 """
 
 from __future__ import annotations
@@ -286,3 +288,40 @@ def test_inkling_log_scaling_equals_one_process(clusters):
             for what, err in errs.items():
                 if what != "worst_grad":
                     assert err <= 1e-5, (rank, key, what, err)
+
+
+def _other_strategies():
+    """Rank function: {(family, strategy): what the converted model's forward raised} for
+    a batch sharded for Ulysses or the all-gather strategy (S = 37: above Doge's
+    keep_window_size, so its selection runs)."""
+    _helpers()
+    from test_transformers import _batch
+
+    from ringattn.integrations import transformers as ra_hf
+
+    ra_hf.register()
+    said = {}
+    for family in ("inkling_text", "inkling2_text", "doge"):
+        config, cls = FAMILIES[family]()
+        config._attn_implementation = "ringattn"
+        torch.manual_seed(0)
+        model = ra_hf.convert(cls(config))
+        for strategy in ("ulysses", "allgather"):
+            local = ra_hf.prepare_batch(model, _batch("plain", 37), strategy=strategy)
+            try:
+                model(**local, use_cache=False)
+                said[family, strategy] = None
+            except ValueError as exc:
+                said[family, strategy] = str(exc)
+    return said
+
+
+@pytest.mark.timeout(300)
+def test_other_strategies_are_refused_on_every_rank(clusters):
+    """The score-bias families (Inkling's bias rows, Doge's selection) run on the ring
+    strategy only: Ulysses and the all-gather strategy raise on every rank, naming both."""
+    for rank, said in enumerate(clusters(2).run(_other_strategies, timeout=240)):
+        assert len(said) == 6
+        for (family, strategy), message in said.items():
+            assert message and "'ring'" in message and repr(strategy) in message, (
+                rank, family, strategy, message)
