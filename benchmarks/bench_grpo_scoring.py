@@ -36,6 +36,7 @@ Writes ``<out>/grpo_scoring.json`` and ``grpo_scoring.png``.
     python benchmarks/bench_grpo_scoring.py            # cap 512 MiB
     python benchmarks/bench_grpo_scoring.py --quick    # V 8192, W 1 and 2
     python benchmarks/bench_grpo_scoring.py --table    # the tables of the last run
+    python benchmarks/bench_grpo_scoring.py --time-only    # the timing again, into its JSON
 """
 
 from __future__ import annotations
@@ -242,22 +243,27 @@ def run(args, out: Path) -> dict:
         finally:
             cluster.close(force=True)
     if 2 in args.worlds and args.rounds:
-        cluster = Cluster(2)
-        try:
-            bar.set_postfix_str(f"time W=2 S={args.time_s}")
-            got = cluster.run(time_task, model, args.time_s, args.rounds, timeout=3600)[0]
-        finally:
-            cluster.close(force=True)
-        med = got["median_s"]
-        data["time"] = {"W": 2, "S": args.time_s, **got,
-                        "tiled_over_untiled": med["tiled"] / med["untiled"],
-                        "tiled_logprobs_over_untiled": med["tiled_logprobs"] / med["untiled"],
-                        "load_average": list(os.getloadavg())}
+        bar.set_postfix_str(f"time W=2 S={args.time_s}")
+        data["time"] = timing(model, args)
     bar.close()
     data["summary"] = summarize(data)
     data["elapsed_s"] = round(time.monotonic() - t0, 1)
     write_json(out / "grpo_scoring.json", data)
     return data
+
+
+def timing(model: dict, args) -> dict:
+    """The paired-rounds step times at W = 2, S = ``--time-s``."""
+    cluster = Cluster(2)
+    try:
+        got = cluster.run(time_task, model, args.time_s, args.rounds, timeout=3600)[0]
+    finally:
+        cluster.close(force=True)
+    med = got["median_s"]
+    return {"W": 2, "S": args.time_s, **got,
+            "tiled_over_untiled": med["tiled"] / med["untiled"],
+            "tiled_logprobs_over_untiled": med["tiled_logprobs"] / med["untiled"],
+            "load_average": list(os.getloadavg())}
 
 
 def summarize(data) -> dict:
@@ -359,10 +365,18 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3, help="paired timing rounds (0: none)")
     ap.add_argument("--quick", action="store_true", help="V 8192, W 1 and 2, cap 16 MiB")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--time-only", action="store_true",
+                    help="time the step again (on a quiet machine) into the last run's JSON")
     ap.add_argument("--table", action="store_true",
                     help="print the tables of the last run's JSON and redraw its plot")
     args = ap.parse_args(argv)
     out = args.out or (RESULTS / "smoke" if args.quick else RESULTS)
+    if args.time_only:  # the timing again, into the last run's JSON
+        done = json.loads((out / "grpo_scoring.json").read_text())
+        done["time"] = timing(done["model"], args)
+        write_json(out / "grpo_scoring.json", done)
+        print(markdown(done))
+        return
     if args.table:
         done = json.loads((out / "grpo_scoring.json").read_text())
         plot(done, out / "grpo_scoring.png")

@@ -356,6 +356,50 @@ def _check_logprobs(ns: dict) -> None:
     assert float((ent[real] - want_ent[real]).abs().max()) < 1e-5
 
 
+def _token_loss(ns: dict, work: Path) -> None:
+    """trainers.md's tiled_token_loss block: the tiled_logprobs block's inputs, its
+    ``local`` and ``hidden`` (this rank's), ``advantages`` of the two rows."""
+    import torch
+
+    from ringattn.integrations import transformers as ra_hf
+
+    _logprobs(ns, work)
+    model = ns["model"]
+    ns["local"] = local = ra_hf.prepare_batch(
+        model, {"input_ids": ns["ids"], "attention_mask": ns["mask"], "labels": ns["ids"]},
+        group=ns["group"])
+    ns["hidden"] = model.model(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                               ring_context=local["ring_context"]).last_hidden_state
+    ns["advantages"] = torch.tensor([1.0, -0.5])
+
+
+def _check_token_loss(ns: dict) -> None:
+    """The ranks' losses sum to one process's loss, and the head's gradients to its
+    gradient (the same weights, sdpa, the untiled logits)."""
+    import torch
+    import torch.distributed as dist
+
+    total = ns["result"].loss.detach().clone()
+    grad = ns["model"].lm_head.weight.grad.clone()
+    dist.all_reduce(total)
+    dist.all_reduce(grad)
+    ref_model = _tiny_llama("sdpa")
+    ids, mask = ns["ids"], ns["mask"]
+    target = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1).masked_fill(mask == 0, -100)
+    logp = torch.log_softmax(ref_model(input_ids=ids, attention_mask=mask).logits.float() / 0.7,
+                             -1)
+    has = target != -100
+    lp = logp.gather(-1, target.clamp_min(0)[..., None])[..., 0]
+    ratio = torch.exp(lp - lp.detach())
+    adv = ns["advantages"][:, None]
+    per = -torch.minimum(ratio * adv, torch.clamp(ratio, 0.8, 1.2) * adv)
+    loss = (per * has).sum() / has.sum()
+    loss.backward()
+    assert abs(float(total) - float(loss)) < 1e-6
+    want = ref_model.lm_head.weight.grad
+    assert float((grad - want).norm() / want.norm()) < 1e-5
+
+
 def _seam(ns: dict, work: Path) -> None:
     """trainers.md's packed-seam block: ``group``, ``world``, ``rank``, three documents of 7,
     9 and 5 tokens packed (``packed_ids``, ``position_ids``, ``cu_seqlens``: 21 tokens, not
@@ -402,7 +446,8 @@ RANKED = {
     ("trainers.md", 5): (_context_parallel_no_ddp, _check_context_parallel),
     ("trainers.md", 6): (_context_parallel_no_ddp, _check_context_parallel),
     ("trainers.md", 8): (_logprobs, _check_logprobs),
-    ("trainers.md", 9): (_seam, _check_seam),
+    ("trainers.md", 9): (_token_loss, _check_token_loss),
+    ("trainers.md", 10): (_seam, _check_seam),
 }
 """Blocks run on 2 ranks: (what makes their inputs, what checks their outputs)."""
 
