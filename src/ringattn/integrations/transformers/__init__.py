@@ -56,16 +56,18 @@ from .convert import convert, load_pretrained
 from .head import head_transforms, teacher_head, tile_problem, tiled_call
 from .mixers import convert_mixers
 from .tiled_mlp import tile_mlp, tiled_mlps
+from .families.indexer import indexer_ties
 
 __all__ = ["average_gradients", "check_consumed", "check_model", "context_parallel", "convert",
            "prepare_batch", "register", "tile_mlp"]
 _DOCUMENTED = (BUILT_EAGER, NAME, NOT_ATTENTION_KWARGS, POSITIONS_FROM_MASK, ModelMask,
                check_attention, converted, convertible, convert_mixers, global_router_loss,
                mixers_converted, ring_attention_forward, tile_problem, tiled_call, tiled_mlps,
-               load_pretrained)
+               load_pretrained, indexer_ties)
 """The face. Also importable, as documented: ``NAME``, ``CONVERTIBLE``, ``BUILT_EAGER``,
 ``check_attention``, ``converted``, ``global_router_loss``, ``mixers_converted``,
-``convertible``, ``convert_mixers`` (the mixer half of ``convert``), ``load_pretrained``
+``convertible``, ``convert_mixers`` (the mixer half of ``convert``), ``indexer_ties`` (how
+a converted DSA model's indexers break ties at the k-th score), ``load_pretrained``
 (a local model directory with ring attention, converted), ``ModelMask``,
 ``ring_attention_forward``, ``NOT_ATTENTION_KWARGS``, ``POSITIONS_FROM_MASK``,
 ``tile_problem`` (why a model's loss runs untiled) and ``tiled_call`` (the tiled loss of

@@ -10,14 +10,31 @@ indexer instance for a subclass that computes, under a ring context:
 
 1. one agreement of every rank's indexer call (shapes, top k, layout, strategy; the same
    ValueError on every rank before any tensor travels, never a hang);
-2. the indexer keys of the whole sequence: one all-gather of the (small, one head of
-   ``index_head_dim``) keys every rank computed for its shard, put in global order;
-3. for this rank's queries, the indexer's own forward (its projections, RoPE, head weights,
-   ReLU and ``torch.topk``), fed the global keys through the ``update_indexer`` hook of the
-   cache it takes, on rows of the global length S masked as one process masks them (causal,
-   padding, documents, a window): the same score row, so the same selection, ties
-   included, whatever topk's tie rule. Queries run in chunks, so a rank holds at most
-   ``SCORE_ELEMENTS`` scores at a time (a [chunk, S] slab, not [L, S]).
+2. the selection of this rank's queries, by one of two paths:
+
+   * **the ring's running top k** (O(S / W + k) per rank): every rank's indexer keys (the
+     keys the indexer's own forward computed for its shard, handed over by the
+     ``update_indexer`` hook of the cache it takes) pass round the ring; each rank scores
+     its queries against each block with the family's own score (its projections, RoPE,
+     head weights and ReLU: the same operations in the same order, for the indexer classes
+     in ``_RECIPES``; read from their forwards), masked as one process masks its rows
+     (causal, padding, documents, a window), and keeps a running top k (+ 1) per query. No
+     rank holds a score row or a mask row over all S keys.
+   * **whole rows** (O(S) per rank): one all-gather of the keys, then the indexer's own
+     forward on this rank's queries against them, on rows of the global length S, in
+     chunks (at most ``SCORE_ELEMENTS`` scores at a time): the same score row as one
+     process, so the same ``torch.topk`` call, ties included.
+
+   ``torch.topk`` breaks ties at the k-th score by its own algorithm over the whole row
+   (not by position: ``test_topk_ties_are_not_broken_by_position``), and it differs between
+   devices. Under the default rule (``indexer_ties(model, "topk")``) the ring's top k is
+   used when no row of any rank ties at its k-th score (its set is then the one-process
+   set); a call in which one does (with the ReLU, exact zeros tie whenever a row has few
+   more positive scores than k) selects by whole rows, decided in one agreement. Under
+   ``indexer_ties(model, "position")`` equal scores are taken in position order (lowest
+   first) and every call runs the ring's top k; ringattn's own reference for it is the
+   model under a ring context of one rank. An indexer class without a recipe always
+   selects by whole rows.
 
 The selection travels with the indices tensor the indexer returns (``SELECTION``): a
 value-keyed ``Mask`` (``Selection``) that the attention function ands with the batch's mask,
@@ -26,22 +43,18 @@ per-block key mask, as any mask: blocks with no selected key are skipped). GLM-M
 shared layers reuse the tensor, and so the mask and its plan. The indexer runs without
 gradients in transformers (``torch.no_grad``), and so here.
 
-Why an all-gather of the indexer keys and not a ring pass of them with a running top-k:
-``torch.topk`` breaks ties at the k-th score by its own selection algorithm over the whole
-row (not by position: tests/distributed/test_indexer_topk.py), so only a topk call on the
-one-process row reproduces it; the keys are one head of ``index_head_dim`` per token (for
-DeepSeek-V3.2, 128 floats against the 128 x 320 of the expanded K/V a rank holds per local
-token), so every rank holding all of them costs less than W / 320 of its K/V.
-
 Why the selection as a key mask of the ring and not a fetch of the selected K/V rows: the
 ring computes the backward (dK, dV travel home with it) and every strategy check as for any
 mask, and needs no second loop; a fetch would move k rows per query (and their gradients
 back) but compute only k keys per query instead of the causal prefix, which is cheaper in
 FLOPs once S >> k; it is not implemented.
 
-Per rank: the gathered keys [B, S, index_head_dim], one chunk's scores (``SCORE_ELEMENTS``),
-the selection [B, L, k], and the ring's plan of the selection mask (its partial tiles' bits
-kept up to the plan's budget, evaluated again beyond it).
+Per rank, the ring's top k: one block of keys in flight [B, L, index_head_dim], one chunk
+of scores against it (``SCORE_ELEMENTS``), the running [B, L, k + 1]; whole rows: the
+gathered keys [B, S, index_head_dim] and one chunk's scores [chunk, S]. Both: the selection
+[B, L, k] and the ring's plan of the selection mask (its partial tiles' bits kept up to the
+plan's budget, evaluated again beyond it). benchmarks/bench_indexer_memory.py measures
+both at a fixed S / W.
 
 Without a ring context (one process) the indexer is transformers' own.
 """
@@ -68,6 +81,7 @@ from ..checks import register_attention
 from ..state import MISSING, SwapMixin, bind_context, bound_context, missing_error, swap_class
 
 __all__ = ["SELECTION", "Selection", "agreed_token", "attach_selection", "convert_indexer",
+           "indexer_ties",
            "gather_sequence", "row_chunks", "row_mask"]
 
 FAMILIES = ("deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "dots3_note_text")
@@ -78,6 +92,10 @@ SELECTION = "_ringattn_selection"
 
 SCORE_ELEMENTS = 1 << 24
 """Scores ([B, chunk, index heads, S] floats) one chunk of queries may hold at a time."""
+
+RING_SCORE_ELEMENTS = 1 << 22
+"""Scores ([B, chunk, index heads, L] floats) one chunk of queries may hold against one
+block of keys in the ring's running top k."""
 
 _LAST = [0]
 """The last selection number of this process (each call's is agreed across its ranks: the
@@ -288,10 +306,19 @@ def _select(module, own, hidden, q_resid, position_embeddings, attention_mask, p
     except (TypeError, ValueError) as exc:
         error = exc
     token = agreed_token(pg, fields, error)  # raises the same error on every rank
+    pos = local_positions(lay, rank, world, seqlen).to(hidden.device)
+    recipe = _RECIPES.get(_transformers_class(module))
+    if recipe is not None:
+        picked = _ring_topk(module, recipe, hidden, q_resid, position_embeddings, local_keys,
+                            mask, lay, pos, pg, world, rank, seqlen,
+                            module.__dict__.get(_TIES, "topk"))
+        if picked is not None:
+            STATS["ring"] += 1
+            return attach_selection(picked, token, pos, seqlen)
+    STATS["whole rows"] += 1
     global_keys = gather_sequence(local_keys, 1, pg, lay, world, seqlen,
                                   "all-gather of the indexer keys")  # [B, S, D]
     # this rank's score rows, in chunks of queries, by the indexer's own forward
-    pos = local_positions(lay, rank, world, seqlen).to(hidden.device)
     heads = int(getattr(module, "n_heads", 1))
     cos, sin = position_embeddings
     picked = []
@@ -300,6 +327,186 @@ def _select(module, own, hidden, q_resid, position_embeddings, attention_mask, p
             hidden[:, a:z], q_resid[:, a:z], (cos[:, a:z], sin[:, a:z]), rows,
             None if position_ids is None else position_ids[:, a:z], cache=_Keys(global_keys)))
     return attach_selection(torch.cat(picked, dim=1), token, pos, seqlen)
+
+
+STATS = {"ring": 0, "whole rows": 0}
+"""How many indexer calls of this process selected by the ring's running top-k, and how
+many by whole score rows (a tie at the k-th score in some row, or an indexer class without
+a recipe)."""
+
+
+def _transformers_class(module):
+    """The transformers class ``module`` is an instance of (under ringattn's swap)."""
+    return next((c for c in type(module).__mro__ if c.__module__.startswith("transformers.")),
+                None)
+
+
+def _rope(module, name: str):
+    import sys
+
+    return getattr(sys.modules[_transformers_class(module).__module__], name)
+
+
+def _queries_half(module, hidden, q_resid, cos, sin, rope="apply_rotary_pos_emb", flip=False):
+    """(q [B, L, H, D] float32, head weights [B, L, H] float32 with the score scale folded
+    where the family folds it, the scale applied to q . k) of DeepSeek-V3.2's indexer
+    (``rope``: the RoPE function of the family's module; ``flip``: HY-V4's RoPE slice last,
+    its softmax scale in the weights). The same operations, in the same order and dtypes,
+    as the family's forward."""
+    b, n = hidden.shape[:2]
+    heads, dim, rot = module.n_heads, module.head_dim, module.qk_rope_head_dim
+    q = module.wq_b(q_resid).view(b, n, heads, dim)
+    if flip:
+        q_pass, q_rot = torch.split(q, [dim - rot, rot], dim=-1)
+    else:
+        q_rot, q_pass = torch.split(q, [rot, dim - rot], dim=-1)
+    q_rot, _ = _rope(module, rope)(q_rot, q_rot[:, :, :1], cos, sin, unsqueeze_dim=2)
+    q = torch.cat([q_pass, q_rot] if flip else [q_rot, q_pass], dim=-1)
+    weights = module.weights_proj(hidden.to(module.weights_proj.weight.dtype)).float() * (
+        heads ** -0.5)
+    if flip:
+        return q.float(), weights * module.softmax_scale, None
+    return q.float(), weights, module.softmax_scale
+
+
+def _recipes() -> dict:
+    """The indexer classes whose scores ``_ring_topk`` computes, each with its queries'
+    recipe (read from the classes' forwards; any other indexer selects by whole rows)."""
+    import functools
+    import importlib
+
+    table = {}
+    for family, name, recipe in (
+            ("deepseek_v32", "DeepseekV32Indexer", _queries_half),
+            ("axk2", "AXK2Indexer", _queries_half),
+            ("glm_moe_dsa", "GlmMoeDsaIndexer",
+             functools.partial(_queries_half, rope="apply_rotary_pos_emb_interleave")),
+            ("dots3_note", "Dots3NoteTextIndexer",
+             functools.partial(_queries_half, rope="apply_rotary_pos_emb_interleave")),
+            ("hy_v4", "HYV4Indexer", functools.partial(_queries_half, flip=True))):
+        try:
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        except ImportError:
+            continue
+        cls = getattr(module, name, None)
+        if cls is not None:
+            table[cls] = recipe
+    return table
+
+
+_RECIPES = _recipes()
+
+
+def _merge(values, places, keep: int, ties: str):
+    """The ``keep`` best of candidate scores ``values`` at key positions ``places`` (both
+    [..., C]): under "position", equal scores in position order (lowest first)."""
+    if ties == "position":
+        order = torch.argsort(places, dim=-1, stable=True)
+        values, places = values.gather(-1, order), places.gather(-1, order)
+        order = torch.argsort(values, dim=-1, descending=True, stable=True)[..., :keep]
+        return values.gather(-1, order), places.gather(-1, order)
+    top = values.topk(keep, dim=-1)
+    return top.values, places.gather(-1, top.indices)
+
+
+def _ring_topk(module, recipe, hidden, q_resid, position_embeddings, local_keys, mask, lay,
+               pos, pg, world: int, rank: int, seqlen: int, ties: str = "topk"):
+    """[B, L, k] global key positions selected for this rank's query slots (-1: none), by a
+    running top (k + 1) as every rank's indexer keys pass round the ring: no rank holds a
+    score row or a mask row over all S keys (per rank: one block of keys in flight, a chunk
+    of scores against it, [B, L, k + 1] kept). The scores are the family's own (its
+    operations on the same values); the top k of a row is then the set ``torch.topk`` keeps
+    on the one-process row whenever the row's k-th and (k + 1)-th scores differ. Where they
+    tie in some row of some rank, ``torch.topk``'s own choice among the tied keys is only
+    known from the whole row: every rank returns None (one agreement), and the caller
+    selects by whole rows."""
+    from ....comm import RingComm
+
+    b, n = hidden.shape[:2]
+    device = hidden.device
+    k = min(int(module.index_topk), seqlen)
+    cos, sin = position_embeddings
+    q, weights, scale = recipe(module, hidden, q_resid, cos, sin)
+    keep = min(k + 1, seqlen) if ties == "topk" else k
+    best = torch.full((b, n, keep), float("-inf"), device=device)
+    where = torch.full((b, n, keep), -1, dtype=torch.long, device=device)
+    comm = RingComm(pg)
+    block = local_keys.contiguous()
+    heads = q.shape[2]
+    chunk = max(1, RING_SCORE_ELEMENTS // max(1, b * heads * block.shape[1]))
+    for step in range(world):
+        hop = None
+        if step < world - 1:
+            hop = comm.hop(block, torch.empty_like(block), comm.KV_TAG,
+                           what=f"indexer keys, step {step}")
+        src = (rank - step) % world
+        kpos = local_positions(lay, src, world, seqlen).to(device)
+        real = kpos < seqlen
+        keys_t = block.transpose(-1, -2).float().unsqueeze(1)  # [B, 1, D, Lb]
+        for a in range(0, n, chunk):
+            z = min(n, a + chunk)
+            scores = torch.matmul(q[:, a:z], keys_t)
+            if scale is not None:
+                scores.mul_(scale)
+            index = torch.matmul(weights[:, a:z].unsqueeze(-2), scores.relu_()).squeeze(-2)
+            del scores
+            seen = evaluate(mask, seqlen, pos[a:z], kpos, b, 1)[:, 0] & real
+            values = torch.cat([best[:, a:z], index.masked_fill_(~seen, float("-inf"))], dim=-1)
+            places = torch.cat([where[:, a:z], kpos.expand(b, z - a, -1)], dim=-1)
+            best[:, a:z], where[:, a:z] = _merge(values, places, keep, ties)
+        if hop is not None:
+            block = hop.wait()
+    tied = torch.zeros((), dtype=torch.int64, device=device)
+    if keep > k and ties == "topk":
+        rows = (pos < seqlen).view(1, -1)
+        kth, after = best[..., k - 1], best[..., k]
+        tied = ((kth == after) & (kth > float("-inf")) & rows).any().to(torch.int64)
+    flag = tied.clone()
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=pg)
+    if bool(flag):
+        return None
+    picked = where[..., :k]
+    return torch.where(best[..., :k] > float("-inf"), picked, -1).to(torch.int32)
+
+
+_TIES = "_ringattn_indexer_ties"
+TIE_RULES = ("topk", "position")
+
+
+def indexer_ties(model, rule: str):
+    """Choose how the DSA indexers of a converted ``model`` break ties at the k-th score
+    under a ring context; returns ``model``.
+
+    * ``"topk"`` (the default): the keys ``torch.topk`` keeps on the one-process score row,
+      as transformers' model selects them on this device. Calls in which no row ties at its
+      k-th score select by the ring's running top k (O(S / W + k) per rank); a call in which
+      some row ties selects by whole score rows (every rank scores its queries against all
+      S keys, in chunks).
+    * ``"position"``: among keys of equal score, the lowest positions first, on every
+      layout and W: always the ring's running top k. A row without a tie at its k-th score
+      selects what transformers does; a tied row may select other tied keys than
+      ``torch.topk`` (whose choice differs between devices). ringattn's own reference is the
+      model under a ring context of one rank.
+
+    Raises:
+        TypeError: ``model`` is not a converted model with DSA indexers (named).
+        ValueError: ``rule`` not one of ``TIE_RULES``.
+    """
+    if rule not in TIE_RULES:
+        raise ValueError(f"indexer_ties: rule must be one of {TIE_RULES}, got {rule!r}")
+    found = [m for m in model.modules() if isinstance(m, _Indexer)] if isinstance(
+        model, torch.nn.Module) else []
+    if not found:
+        raise TypeError(f"indexer_ties takes a model with DSA indexers converted by "
+                        f"ra_hf.convert, got {type(model).__name__}")
+    unknown = sorted({type(m).__name__ for m in found
+                      if _transformers_class(m) not in _RECIPES})
+    if rule == "position" and unknown:
+        raise ValueError(f"indexer_ties: ringattn has no score recipe for {unknown}; only "
+                         f"'topk' (whole score rows) serves them")
+    for m in found:
+        m.__dict__[_TIES] = rule
+    return model
 
 
 def _crc(value) -> int:
