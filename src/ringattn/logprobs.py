@@ -107,6 +107,16 @@ def _logp_grad(logp, p, target, g_lp, g_ent, temperature, dtype, ent=None):
     return dz if dz.dtype == dtype else dz.to(dtype)
 
 
+def _add_head_grad(d_weight, dz, h) -> None:
+    """d_weight += dz^T h in place: one ``addmm_`` when the dtypes agree (no [V, H]
+    temporary per tile); a bf16 or fp16 head's dz and rows are summed into the float32
+    accumulator through the product in their dtype."""
+    if dz.dtype == d_weight.dtype:
+        d_weight.addmm_(dz.t(), h.to(dz.dtype))
+    else:
+        d_weight.add_(dz.t() @ h.to(dz.dtype))
+
+
 def _tile_grad(h, w, b, target, g_lp, g_ent, temperature):
     """``_logp_grad`` of a tile's hidden rows: its logits computed again (two [R, V]
     buffers)."""
@@ -161,7 +171,7 @@ class _TiledLogProbs(torch.autograd.Function):
                 if need_h:
                     d_hidden[sl] = (dz @ w).to(hidden.dtype)
                 if need_w:
-                    d_weight.addmm_(dz.t(), h.to(dz.dtype))
+                    _add_head_grad(d_weight, dz, h)
                 if need_b:
                     d_bias.add_(dz.sum(0))
             return (d_hidden, None if d_weight is None else d_weight.to(weight.dtype),
@@ -360,7 +370,7 @@ class _TiledTokenLoss(torch.autograd.Function):
                     if need_h:
                         d_hidden[sl] = (dz @ w).to(hidden.dtype)
                     if need_w:
-                        d_weight.addmm_(dz.t(), h.to(dz.dtype))
+                        _add_head_grad(d_weight, dz, h)
                     if need_b:
                         d_bias.add_(dz.sum(0))
                 continue

@@ -406,3 +406,36 @@ def test_tiled_token_loss_refusals_name_the_value():
     with pytest.raises(RuntimeError):
         ra.tiled_token_loss(hidden, head, lambda lp, ent, adv: lp if adv > 0 else -lp,
                             labels=ids, inputs={"adv": adv})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_heads_against_float64(dtype):
+    """A bf16 / fp16 head and hidden states: ``tiled_logprobs`` (gradients in its backward)
+    and ``tiled_token_loss`` (in its forward) give the float64 computation's values and
+    gradients within that dtype's rounding, and the head's gradient in its dtype."""
+    g = torch.Generator().manual_seed(13)
+    head64 = torch.nn.Linear(H, V).double()
+    hidden64 = torch.randn(2, S, H, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, V, (2, S), generator=g)
+    shifted = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    inputs = _token_inputs(g, (2, S), torch.float64)
+    h64 = hidden64.clone().requires_grad_()
+    ref, _, _ = _token_untiled(h64, head64.weight, head64.bias, shifted, 0.8, None, inputs, True)
+    ref.backward()
+    for how in ("logprobs", "token loss"):
+        head = torch.nn.Linear(H, V).to(dtype)
+        head.load_state_dict({k: v.to(dtype) for k, v in head64.state_dict().items()})
+        h = hidden64.to(dtype).requires_grad_()
+        if how == "logprobs":
+            lp, ent = ra.tiled_logprobs(h, head, shift_labels=shifted, temperature=0.8,
+                                        entropy=True, tile=5)
+            loss = _grpo_token(lp, ent, **{k: v.float() for k, v in inputs.items()}).sum()
+        else:
+            loss = ra.tiled_token_loss(h, head, _grpo_token, shift_labels=shifted,
+                                       inputs={k: v.float() for k, v in inputs.items()},
+                                       temperature=0.8, entropy=True, tile=5).loss
+        loss.backward()
+        assert head.weight.grad.dtype == dtype and h.grad.dtype == dtype
+        assert abs(float(loss.detach()) - float(ref.detach())) < 0.05 * abs(float(ref))
+        for a, b in ((h.grad, h64.grad), (head.weight.grad, head64.weight.grad)):
+            assert _rel(a.double(), b) < 0.05, (how, dtype, _rel(a.double(), b))
