@@ -317,6 +317,7 @@ POSITION_CASES = {  # W -> (family, batch, layout, top-k, all scores tie)
         ("glm_moe_dsa", "packed", "zigzag", 8, False)],
     3: [("deepseek_v32", "left-padded", "contiguous", 8, True),
         ("hy_v4", "plain", "zigzag", 8, False)],
+    4: [("deepseek_v32", "padding-only rank", "contiguous", 8, False)],  # rank 0: padding
 }
 
 
