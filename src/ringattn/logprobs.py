@@ -117,6 +117,39 @@ def _add_head_grad(d_weight, dz, h) -> None:
         d_weight.add_(dz.t() @ h.to(dz.dtype))
 
 
+def _hand_tile(acc, sl, dz, w, h) -> None:
+    """Add a tile's gradients from its logits' gradient ``dz`` [R, V] to ``acc`` (hidden,
+    weight, bias: each None when not wanted): the hidden rows' (``dz @ w``), the head's."""
+    d_hidden, d_weight, d_bias = acc
+    if d_hidden is not None:
+        d_hidden[sl] = (dz @ w).to(d_hidden.dtype)
+    if d_weight is not None:
+        _add_head_grad(d_weight, dz, h)
+    if d_bias is not None:
+        d_bias.add_(dz.sum(0))
+
+
+def _graph_tile(acc, sl, lp, ent, g_lp, g_ent, leaves) -> None:
+    """Add to ``acc`` the gradients of ``g_lp . lp + g_ent . ent`` (a tile's values, on the
+    graph of its logits) with respect to ``leaves`` (hidden rows, weight, bias: None where
+    not wanted), by autograd."""
+    total = (lp * g_lp.to(lp.dtype)).sum() if g_lp is not None else None
+    if g_ent is not None:
+        part = (ent * g_ent.to(ent.dtype)).sum()
+        total = part if total is None else total + part
+    wanted = [x for x in leaves if x is not None]
+    if total is None or not wanted:
+        return
+    grads = list(torch.autograd.grad(total, wanted))
+    d_hidden, d_weight, d_bias = acc
+    if leaves[0] is not None:
+        d_hidden[sl] = grads.pop(0)
+    if leaves[1] is not None:
+        d_weight.add_(grads.pop(0))
+    if leaves[2] is not None:
+        d_bias.add_(grads.pop(0))
+
+
 def _tile_grad(h, w, b, target, g_lp, g_ent, temperature):
     """``_logp_grad`` of a tile's hidden rows: its logits computed again (two [R, V]
     buffers)."""
@@ -168,12 +201,7 @@ class _TiledLogProbs(torch.autograd.Function):
                 h = hidden[sl].detach()
                 dz = _tile_grad(h, w, b, target[sl], g_lp[sl],
                                 g_ent[sl] if use_ent else None, temperature)
-                if need_h:
-                    d_hidden[sl] = (dz @ w).to(hidden.dtype)
-                if need_w:
-                    _add_head_grad(d_weight, dz, h)
-                if need_b:
-                    d_bias.add_(dz.sum(0))
+                _hand_tile((d_hidden, d_weight, d_bias), sl, dz, w, h)
             return (d_hidden, None if d_weight is None else d_weight.to(weight.dtype),
                     None if d_bias is None else d_bias.to(bias.dtype), None, None, None, None,
                     None)
@@ -185,19 +213,11 @@ class _TiledLogProbs(torch.autograd.Function):
             with torch.enable_grad():
                 z = _tile_logits(h, w, b, logits_fn, temperature)
                 lp, ent = _tile_values(z, target[sl], use_ent)
-                total = (lp * g_lp[sl].to(lp.dtype)).sum() if g_lp is not None else 0.0
-                if use_ent:
-                    total = total + (ent * g_ent[sl].to(ent.dtype)).sum()
-                wanted = [x for x, need in ((h, need_h), (w, need_w), (b, need_b)) if need]
-                if not wanted or not isinstance(total, torch.Tensor):
-                    continue
-                grads = list(torch.autograd.grad(total, wanted))
-            if need_h:
-                d_hidden[sl] = grads.pop(0)
-            if need_w:
-                d_weight.add_(grads.pop(0))
-            if need_b:
-                d_bias.add_(grads.pop(0))
+                _graph_tile((d_hidden, d_weight, d_bias), sl, lp, ent,
+                            None if g_lp is None else g_lp[sl],
+                            g_ent[sl] if use_ent else None,
+                            (h if need_h else None, w if need_w else None,
+                             b if need_b else None))
         return (d_hidden, None if d_weight is None else d_weight.to(weight.dtype),
                 None if d_bias is None else d_bias.to(bias.dtype), None, None, None, None,
                 None)
@@ -367,25 +387,12 @@ class _TiledTokenLoss(torch.autograd.Function):
             if logits_fn is None:
                 with torch.no_grad():
                     dz = _logp_grad(logp, p, t, g_lp, g_ent, temperature, w.dtype, ent)
-                    if need_h:
-                        d_hidden[sl] = (dz @ w).to(hidden.dtype)
-                    if need_w:
-                        _add_head_grad(d_weight, dz, h)
-                    if need_b:
-                        d_bias.add_(dz.sum(0))
+                    _hand_tile((d_hidden, d_weight, d_bias), sl, dz, w, h)
                 continue
-            wanted = [x for x, on in ((hh, need_h), (ww, need_w), (bb, need_b)) if on]
             with torch.enable_grad():
-                part = (lp_g * g_lp.to(lp_g.dtype)).sum()
-                if g_ent is not None:
-                    part = part + (ent_g * g_ent.to(ent_g.dtype)).sum()
-                grads = list(torch.autograd.grad(part, wanted))
-            if need_h:
-                d_hidden[sl] = grads.pop(0)
-            if need_w:
-                d_weight.add_(grads.pop(0))
-            if need_b:
-                d_bias.add_(grads.pop(0))
+                _graph_tile((d_hidden, d_weight, d_bias), sl, lp_g, ent_g, g_lp, g_ent,
+                            (hh if need_h else None, ww if need_w else None,
+                             bb if need_b else None))
         ctx.grads = (d_hidden, d_weight, d_bias)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.n_cols = len(cols)

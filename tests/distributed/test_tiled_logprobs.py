@@ -48,8 +48,10 @@ def _rel(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
-def _compare_one(dtype, tile, temperature, logits_fn, bias: bool, flat: bool):
-    g = torch.Generator().manual_seed(3)
+def _problem(seed: int, dtype, bias: bool):
+    """(generator, a head with random weights, hidden [2, S, H], shifted targets [2, S]:
+    row 1's first 4 targets masked, as a prompt, and each row's last)."""
+    g = torch.Generator().manual_seed(seed)
     head = torch.nn.Linear(H, V, bias=bias).to(dtype)
     with torch.no_grad():
         head.weight.copy_(torch.randn(V, H, generator=g, dtype=dtype))
@@ -60,6 +62,11 @@ def _compare_one(dtype, tile, temperature, logits_fn, bias: bool, flat: bool):
     ids[1, :4] = -100  # positions whose target is masked (a prompt)
     shifted = torch.full_like(ids, -100)
     shifted[:, :-1] = ids[:, 1:]
+    return g, head, hidden, shifted
+
+
+def _compare_one(dtype, tile, temperature, logits_fn, bias: bool, flat: bool):
+    g, head, hidden, shifted = _problem(3, dtype, bias)
     w_lp = torch.randn(2, S, generator=g, dtype=torch.float64)
     w_ent = torch.randn(2, S, generator=g, dtype=torch.float64)
     if flat:
@@ -255,17 +262,7 @@ def _token_untiled(hidden, weight, bias, shifted, temperature, logits_fn, inputs
 
 
 def _compare_token(dtype, tile, temperature, logits_fn, bias, flat, entropy):
-    g = torch.Generator().manual_seed(7)
-    head = torch.nn.Linear(H, V, bias=bias).to(dtype)
-    with torch.no_grad():
-        head.weight.copy_(torch.randn(V, H, generator=g, dtype=dtype))
-        if bias:
-            head.bias.copy_(torch.randn(V, generator=g, dtype=dtype))
-    hidden = torch.randn(2, S, H, generator=g, dtype=dtype)
-    ids = torch.randint(0, V, (2, S), generator=g)
-    ids[1, :4] = -100
-    shifted = torch.full_like(ids, -100)
-    shifted[:, :-1] = ids[:, 1:]
+    g, head, hidden, shifted = _problem(7, dtype, bias)
     inputs = _token_inputs(g, (2, S), dtype)
     if flat:
         hidden, shifted = hidden.reshape(2 * S, H), shifted.reshape(-1)
