@@ -40,12 +40,10 @@ Without a ring context (one process) the modules are transformers' own.
 
 from __future__ import annotations
 
-import zlib
-
 import torch
 
-from ....comm import agree, all_gather_single, resolve_group
-from ....layouts import get_layout, local_positions, restore_index
+from ....comm import resolve_group
+from ....layouts import get_layout, local_positions
 from ....masks import Mask, and_keys, causal, document, evaluate, mask_key
 from ....strategies.auto import attention
 from ....validate import caller_error
@@ -53,6 +51,7 @@ from ..attention import _check_call
 from ..checks import register_attention
 from ..state import (SwapMixin, bind_context, bound_call, current_call, hook_restore_padding,
                      missing_error, owner, swap_class)
+from .indexer import IndexerKeys, agreed_token, crc, gather_sequence, own_keys
 
 __all__ = ["BlockSelection", "convert_block_indexer"]
 
@@ -64,8 +63,6 @@ register_attention("block indexer", tuple(LAYER_TYPES), layer_types=LAYER_TYPES)
 SCORE_ELEMENTS = 1 << 24
 """Score (or mask) elements one chunk of queries may hold at a time ([B, heads, chunk, S])."""
 
-_LAST = [0]
-"""The last selection number this process agreed on."""
 
 
 class BlockSelection(Mask):
@@ -110,61 +107,6 @@ class BlockSelection(Mask):
         return f"block_selection({self.token})"
 
 
-class _Handover(Exception):
-    """The keys of this rank's tokens, as the indexer's own forward hands them to its cache."""
-
-    def __init__(self, keys):
-        super().__init__("indexer keys")
-        self.keys = keys
-
-
-class _Keys:
-    """What the indexers take as their cache: the hook that receives the keys of the
-    tokens they run on and returns the keys they score against (the whole sequence's).
-    Qwen4-Exp calls ``update_indexer``; MiniMax-M3 ``layers[i].update_index``."""
-
-    def __init__(self, keys=None):
-        self.keys = keys
-
-    @property
-    def layers(self):
-        return self
-
-    def __getitem__(self, index):
-        return self
-
-    def update_indexer(self, keys, layer_idx):
-        return self.update_index(keys)
-
-    def update_index(self, keys):
-        if self.keys is None:
-            raise _Handover(keys)
-        return self.keys
-
-
-def _own_keys(run):
-    """The local keys the indexer's forward hands its cache (it stops there)."""
-    try:
-        run(_Keys())
-    except _Handover as got:
-        return got.keys
-    raise TypeError("the indexer never handed its keys to its cache: ringattn cannot give it "
-                    "the whole sequence's")
-
-
-def _global(local, pg, lay, world, seqlen):
-    """[B, L, F] of every rank -> [B, S, F] in global order (one all-gather)."""
-    rows = local.transpose(0, 1).contiguous()  # [L, B, F]
-    every = rows.new_empty((world * rows.shape[0], *rows.shape[1:]))
-    all_gather_single(every, rows, pg, what="all-gather of the block indexer's keys")
-    order = restore_index(lay, world, seqlen)[:seqlen].to(every.device)
-    return every.index_select(0, order).transpose(0, 1)
-
-
-def _crc(value) -> int:
-    return zlib.crc32(repr(value).encode()) & 0x7FFFFFFF
-
-
 def _base_mask(ctx) -> Mask:
     """What one process's mask is for these layers, in global positions: causal, the
     batch's padding, its documents."""
@@ -202,16 +144,6 @@ def _qwen4_blocks(ctx, batch: int, ratio: int, device) -> torch.Tensor:
     offset = torch.cumsum(blocks, 1) - blocks
     return torch.where(real, offset[:, doc] + torch.div(order, ratio, rounding_mode="floor"),
                        torch.full_like(order, -1))
-
-
-def _agree(pg, fields: dict, error) -> int:
-    """One agreement of the call on every rank (the same error everywhere) and a new
-    selection number."""
-    fields = {**fields, "selection": _LAST[0] + 1}
-    token = agree(pg, fields, error, reduce=("selection",),
-                  what="a block indexer selection")["selection"]
-    _LAST[0] = max(_LAST[0], token)
-    return token
 
 
 def _checks(module, ctx, cache, n, kwargs, attention_mask):
@@ -287,16 +219,18 @@ def _qwen4_selection(module, hidden, position_embeddings, attention_mask, cache,
     cos, sin = position_embeddings
     try:
         lay = _checks(module, ctx, cache, n, kwargs, attention_mask)
-        raw = _own_keys(lambda keys: indexer(hidden, position_embeddings, None, keys))
-        fields = {"batch": b, "local_len": n, "seqlen": s, "layout": _crc(lay),
+        raw = own_keys(lambda keys: indexer(hidden, position_embeddings, None, keys),
+                       type(indexer).__name__)
+        fields = {"batch": b, "local_len": n, "seqlen": s, "layout": crc(lay),
                   "block": int(indexer.compress_ratio), "topk": int(indexer.block_topk),
                   "key_dim": int(raw.shape[-1]), "rope_dim": int(cos.shape[-1])}
     except (TypeError, ValueError) as exc:
         error = exc
-    token = _agree(pg, fields, error)  # raises the same error on every rank
+    token = agreed_token(pg, fields, error, "a block indexer selection")  # raises the same error on every rank
     rot = cos.shape[-1]
-    every = _global(torch.cat([raw, cos.to(raw.dtype), sin.to(raw.dtype)], -1).detach(),
-                    pg, lay, world, s)
+    every = gather_sequence(torch.cat([raw, cos.to(raw.dtype), sin.to(raw.dtype)],
+                                      -1).detach(), 1, pg, lay, world, s,
+                            "all-gather of the block indexer's keys")
     keys = every[..., :raw.shape[-1]].to(raw.dtype)
     full_cos = every[..., raw.shape[-1]:raw.shape[-1] + rot].to(cos.dtype)
     full_sin = every[..., raw.shape[-1] + rot:].to(sin.dtype)
@@ -313,7 +247,7 @@ def _qwen4_selection(module, hidden, position_embeddings, attention_mask, cache,
         picked = indexer(hidden[:, a:z],
                          (torch.cat([full_cos, cos[:, a:z]], 1),
                           torch.cat([full_sin, sin[:, a:z]], 1)),
-                         rows, _Keys(keys))  # [B, 1, rows, S] bool: the selected keys
+                         rows, IndexerKeys(keys))  # [B, 1, rows, S] bool: the selected keys
         where = torch.where(picked[:, 0], key_block[:, None, :], blocks)  # [B, rows, S]
         chosen[:, 0, a:z].scatter_(-1, where, True)
     chosen[..., blocks] = False
@@ -362,16 +296,18 @@ def _minimax_selection(module, hidden, position_embeddings, position_ids, attent
         if position_ids is None or tuple(position_ids.shape[-1:]) != (n,):
             raise ValueError("MiniMax-M3's sparse layers need the shard's position_ids (the "
                              "dict from prepare_batch / shard_batch has them)")
-        keys = _own_keys(lambda cache_: indexer(hidden, position_embeddings, cache_,
-                                                position_ids.expand(b, -1)))
-        fields = {"batch": b, "local_len": n, "seqlen": s, "layout": _crc(lay),
+        keys = own_keys(lambda cache_: indexer(hidden, position_embeddings, cache_,
+                                               position_ids.expand(b, -1)),
+                        type(indexer).__name__)
+        fields = {"batch": b, "local_len": n, "seqlen": s, "layout": crc(lay),
                   "block": int(indexer.block_size), "topk": int(indexer.topk_blocks),
                   "local": int(indexer.local_blocks), "key_dim": int(keys.shape[-1]),
                   "heads": int(indexer.num_heads)}
     except (TypeError, ValueError) as exc:
         error = exc
-    token = _agree(pg, fields, error)  # raises the same error on every rank
-    every = _global(keys[:, 0].detach(), pg, lay, world, s)[:, None]  # [B, 1, S, D]
+    token = agreed_token(pg, fields, error, "a block indexer selection")  # raises the same error on every rank
+    every = gather_sequence(keys[:, 0].detach(), 1, pg, lay, world, s,
+                            "all-gather of the block indexer's keys")[:, None]  # [B, 1, S, D]
     pos = local_positions(lay, rank, world, s).to(device)
     ids = torch.where(pos < s, position_ids.expand(b, -1), 0)  # padding slots: any block
     size = int(indexer.block_size)
@@ -381,7 +317,7 @@ def _minimax_selection(module, hidden, position_embeddings, position_ids, attent
     chunk = max(1, SCORE_ELEMENTS // max(1, b * heads * s))
     for a in range(0, n, chunk):
         z = min(n, a + chunk)
-        picked = indexer(hidden[:, a:z], (cos[:, a:z], sin[:, a:z]), _Keys(every),
+        picked = indexer(hidden[:, a:z], (cos[:, a:z], sin[:, a:z]), IndexerKeys(every),
                          ids[:, a:z])  # [B, heads, rows, topk], -1: none
         chosen[:, :, a:z].scatter_(-1, torch.where(picked < 0, blocks, picked).long(), True)
     chosen[..., blocks] = False

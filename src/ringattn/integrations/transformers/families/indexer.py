@@ -81,8 +81,8 @@ from ..checks import register_attention
 from ..state import MISSING, SwapMixin, bind_context, bound_context, missing_error, swap_class
 
 __all__ = ["SELECTION", "Selection", "agreed_token", "attach_selection", "convert_indexer",
-           "indexer_ties",
-           "gather_sequence", "row_chunks", "row_mask"]
+           "IndexerKeys", "crc", "gather_sequence", "indexer_ties", "own_keys", "row_chunks",
+           "row_mask"]
 
 FAMILIES = ("deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "dots3_note_text")
 register_attention("indexer", FAMILIES)
@@ -202,25 +202,51 @@ def attach_selection(selected: torch.Tensor, token: int, pos: torch.Tensor, seql
     return selected
 
 
-class _Keys:
-    """What the indexer's forward takes as its cache: ``update_indexer`` is where it hands
-    over the keys of its tokens and gets back the keys it scores against."""
+class IndexerKeys:
+    """What an indexer's forward takes as its cache: the hook that receives the keys of the
+    tokens it runs on and returns the keys it scores against (None: none yet, so the hook
+    hands the keys over and stops the forward, ``own_keys``). The DSA indexers call
+    ``update_indexer``; Qwen4-Exp's too; MiniMax-M3's ``layers[i].update_index``."""
 
     def __init__(self, keys=None):
         self.keys = keys
 
-    def update_indexer(self, k, layer_idx):
+    @property
+    def layers(self):
+        return self
+
+    def __getitem__(self, index):
+        return self
+
+    def update_indexer(self, keys, layer_idx):
+        return self.update_index(keys)
+
+    def update_index(self, keys):
         if self.keys is None:
-            raise _LocalKeys(k)
+            raise _Handover(keys)
         return self.keys
 
 
-class _LocalKeys(Exception):
+class _Handover(Exception):
     """The keys of this rank's tokens, computed by the indexer's own forward."""
 
     def __init__(self, keys):
         super().__init__("indexer keys")
         self.keys = keys
+
+
+def own_keys(run, name: str):
+    """The local keys an indexer's forward (``run(cache)``) hands its cache; it stops there.
+
+    Raises:
+        TypeError: it never hands them over (named ``name``).
+    """
+    try:
+        run(IndexerKeys())
+    except _Handover as got:
+        return got.keys
+    raise TypeError(f"{name} never handed its keys to its cache: ringattn cannot give it the "
+                    f"whole sequence's")
 
 
 def check_selection(module, what: str, attention_mask, ctx, n: int, world: int):
@@ -290,19 +316,15 @@ def _select(module, own, hidden, q_resid, position_embeddings, attention_mask, p
                              f"parallelism; call the model with use_cache=False")
         lay, mask = check_selection(module, "the indexer's top-k selection", attention_mask,
                                     ctx, n, world)
-        try:
-            own(hidden, q_resid, position_embeddings, attention_mask, position_ids,
-                cache=_Keys())
-            raise TypeError(f"{type(module).__name__} never handed its keys to the cache "
-                            f"(update_indexer): ringattn cannot give it the whole sequence's")
-        except _LocalKeys as got:
-            local_keys = got.keys
+        local_keys = own_keys(lambda keys: own(hidden, q_resid, position_embeddings,
+                                               attention_mask, position_ids, cache=keys),
+                              type(module).__name__)
         if local_keys.dim() != 3 or tuple(local_keys.shape[:2]) != (b, n):
             raise TypeError(f"{type(module).__name__}'s keys are {tuple(local_keys.shape)}, "
                             f"not [B, L, D] = [{b}, {n}, D]")
         fields = {"batch": b, "local_len": n, "seqlen": seqlen, "topk": int(module.index_topk),
                   "key_dim": local_keys.shape[-1], "dtype": _dtype_code(local_keys.dtype),
-                  "layout": _crc(lay), "mask": _crc(mask.key())}
+                  "layout": crc(lay), "mask": crc(mask.key())}
     except (TypeError, ValueError) as exc:
         error = exc
     token = agreed_token(pg, fields, error)  # raises the same error on every rank
@@ -325,7 +347,7 @@ def _select(module, own, hidden, q_resid, position_embeddings, attention_mask, p
     for a, z, rows in row_chunks(mask, seqlen, pos, b, b * heads):
         picked.append(own(
             hidden[:, a:z], q_resid[:, a:z], (cos[:, a:z], sin[:, a:z]), rows,
-            None if position_ids is None else position_ids[:, a:z], cache=_Keys(global_keys)))
+            None if position_ids is None else position_ids[:, a:z], cache=IndexerKeys(global_keys)))
     return attach_selection(torch.cat(picked, dim=1), token, pos, seqlen)
 
 
@@ -509,7 +531,8 @@ def indexer_ties(model, rule: str):
     return model
 
 
-def _crc(value) -> int:
+def crc(value) -> int:
+    """A number for ``value``'s repr, for an agreement's fields."""
     return zlib.crc32(repr(value).encode()) & 0x7FFFFFFF
 
 

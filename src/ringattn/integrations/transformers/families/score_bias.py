@@ -43,11 +43,11 @@ from ..attention import ModelMask, _ring_arguments, ring_attention_forward
 from ..checks import NOT_ATTENTION_KWARGS, register_attention
 from ..state import SwapMixin, swap_class
 from .indexer import (
-    _crc,
     _dtype_code,
     agreed_token,
     attach_selection,
     check_selection,
+    crc,
     gather_sequence,
     row_chunks,
 )
@@ -247,7 +247,7 @@ def _doge_selection(module, hidden, bias, attention_mask, ctx) -> torch.Tensor:
                                     f"query", attention_mask, ctx, n, world)
         fields = {"batch": b, "local_len": n, "seqlen": seqlen, "keep_window_size": keep,
                   "key_dim": bias.shape[1], "dtype": _dtype_code(hidden.dtype),
-                  "layout": _crc(lay), "mask": _crc(mask.key())}
+                  "layout": crc(lay), "mask": crc(mask.key())}
     except (TypeError, ValueError) as exc:
         error = exc
     token = agreed_token(pg, fields, error, what="doge's top-k keys")  # the same error everywhere
