@@ -332,8 +332,10 @@ class RingEagleModel(HFEagleModel):
         # ModelOpt divides step j's loss by the loss_mask of positions >= 1 + j (global)
         den = torch.stack([(lm_BL * (pos_L >= 1 + j)).sum() for j in range(steps)]).double()
         dist.all_reduce(den, group=pg)
-        weights = [self.eagle_loss_decay_factor ** j / (den[j].float() + 1e-5).item()
-                   for j in range(steps)]
+        weights = None  # the tiled path's per-step weights (host floats: one sync)
+        if head is not None:
+            weights = [self.eagle_loss_decay_factor ** j / (den[j].float() + 1e-5).item()
+                       for j in range(steps)]
         if ttt_padding == "modelopt":
             first = tuple(length if length == s else length - 1 for length in lengths)
             valid = [first if any(x < s for x in first) else None] + [None] * (steps - 1)
