@@ -17,7 +17,7 @@ indexer instance for a subclass that computes, under a ring context:
      ``update_indexer`` hook of the cache it takes) pass round the ring; each rank scores
      its queries against each block with the family's own score (its projections, RoPE,
      head weights and ReLU: the same operations in the same order, for the indexer classes
-     in ``_RECIPES``; read from their forwards), masked as one process masks its rows
+     in ``_recipes``; read from their forwards), masked as one process masks its rows
      (causal, padding, documents, a window), and keeps a running top k (+ 1) per query. No
      rank holds a score row or a mask row over all S keys.
    * **whole rows** (O(S) per rank): one all-gather of the keys, then the indexer's own
@@ -329,7 +329,7 @@ def _select(module, own, hidden, q_resid, position_embeddings, attention_mask, p
         error = exc
     token = agreed_token(pg, fields, error)  # raises the same error on every rank
     pos = local_positions(lay, rank, world, seqlen).to(hidden.device)
-    recipe = _RECIPES.get(_transformers_class(module))
+    recipe = _recipe(module)
     if recipe is not None:
         picked = _ring_topk(module, recipe, hidden, q_resid, position_embeddings, local_keys,
                             mask, lay, pos, pg, world, rank, seqlen,
@@ -416,7 +416,16 @@ def _recipes() -> dict:
     return table
 
 
-_RECIPES = _recipes()
+_RECIPES: dict = {}
+"""``_recipes()``, made on the first converted call (importing five modeling modules at
+import time would slow every process's import)."""
+
+
+def _recipe(module):
+    """The score recipe of ``module``'s transformers class, or None."""
+    if not _RECIPES:
+        _RECIPES.update(_recipes())
+    return _RECIPES.get(_transformers_class(module))
 
 
 def _merge(values, places, keep: int, ties: str):
@@ -521,8 +530,7 @@ def indexer_ties(model, rule: str):
     if not found:
         raise TypeError(f"indexer_ties takes a model with DSA indexers converted by "
                         f"ra_hf.convert, got {type(model).__name__}")
-    unknown = sorted({type(m).__name__ for m in found
-                      if _transformers_class(m) not in _RECIPES})
+    unknown = sorted({type(m).__name__ for m in found if _recipe(m) is None})
     if rule == "position" and unknown:
         raise ValueError(f"indexer_ties: ringattn has no score recipe for {unknown}; only "
                          f"'topk' (whole score rows) serves them")
