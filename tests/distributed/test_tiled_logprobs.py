@@ -354,7 +354,7 @@ def test_tiled_token_loss_edges():
     assert _rel(w_grad, head.weight.grad) < 1e-12
     with torch.no_grad():
         again = ra.tiled_token_loss(hidden, head, fn, labels=ids, inputs={"pair": pair})
-    assert not again.loss.requires_grad and _rel(again.loss, got.loss.detach()) < 1e-14
+    assert not again.loss.requires_grad and _rel(again.loss, got.loss.detach()) < 1e-12
     # a rank with nothing to do: 0 tokens, loss 0, zero gradients of the head
     head.zero_grad()
     empty = hidden[:, :0].clone().requires_grad_()
