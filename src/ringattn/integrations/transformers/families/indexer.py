@@ -50,7 +50,7 @@ back) but compute only k keys per query instead of the causal prefix, which is c
 FLOPs once S >> k; it is not implemented.
 
 Per rank, the ring's top k: one block of keys in flight [B, L, index_head_dim], one chunk
-of scores against it (``SCORE_ELEMENTS``), the running [B, L, k + 1]; whole rows: the
+of scores against it (``RING_SCORE_ELEMENTS``), the running [B, L, k + 1]; whole rows: the
 gathered keys [B, S, index_head_dim] and one chunk's scores [chunk, S]. Both: the selection
 [B, L, k] and the ring's plan of the selection mask (its partial tiles' bits kept up to the
 plan's budget, evaluated again beyond it). benchmarks/bench_indexer_memory.py measures
@@ -445,7 +445,8 @@ def _ring_topk(module, recipe, hidden, q_resid, position_embeddings, local_keys,
     """[B, L, k] global key positions selected for this rank's query slots (-1: none), by a
     running top (k + 1) as every rank's indexer keys pass round the ring: no rank holds a
     score row or a mask row over all S keys (per rank: one block of keys in flight, a chunk
-    of scores against it, [B, L, k + 1] kept). The scores are the family's own (its
+    of scores against it, [B, L, k + 1] kept; [B, L, k] under "position", which needs no
+    agreement). The scores are the family's own (its
     operations on the same values); the top k of a row is then the set ``torch.topk`` keeps
     on the one-process row whenever the row's k-th and (k + 1)-th scores differ. Where they
     tie in some row of some rank, ``torch.topk``'s own choice among the tied keys is only
@@ -487,15 +488,13 @@ def _ring_topk(module, recipe, hidden, q_resid, position_embeddings, local_keys,
             best[:, a:z], where[:, a:z] = _merge(values, places, keep, ties)
         if hop is not None:
             block = hop.wait()
-    tied = torch.zeros((), dtype=torch.int64, device=device)
-    if keep > k and ties == "topk":
+    if keep > k:  # the "topk" rule below S: one agreement on whether some row ties
         rows = (pos < seqlen).view(1, -1)
         kth, after = best[..., k - 1], best[..., k]
         tied = ((kth == after) & (kth > float("-inf")) & rows).any().to(torch.int64)
-    flag = tied.clone()
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=pg)
-    if bool(flag):
-        return None
+        torch.distributed.all_reduce(tied, op=torch.distributed.ReduceOp.MAX, group=pg)
+        if bool(tied):
+            return None
     picked = where[..., :k]
     return torch.where(best[..., :k] > float("-inf"), picked, -1).to(torch.int32)
 
