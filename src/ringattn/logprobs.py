@@ -100,8 +100,8 @@ def _logp_grad(logp, p, target, g_lp, g_ent, temperature, dtype, ent=None):
         ent = _entropy(p, logp) if ent is None else ent.to(work)
         coef = logp.add_(ent.unsqueeze(-1)).mul_(g_ent.to(work).unsqueeze(-1)).add_(coef)
     dz = p.mul_(coef).neg_()
-    rows = has.nonzero().squeeze(-1)
-    dz[rows, target[rows]] += g_lp[rows]
+    # + g_lp at each target (g_lp is 0 where there is none): no host sync on the rows
+    dz.scatter_add_(-1, target.clamp_min(0).unsqueeze(-1), g_lp.unsqueeze(-1))
     if temperature != 1.0:
         dz.div_(temperature)
     return dz if dz.dtype == dtype else dz.to(dtype)
@@ -317,8 +317,10 @@ def _per_token(token_loss, names, lp, ent, cols, want: bool):
     def one(a, e, *c):
         value = token_loss(a, e, **dict(zip(names, c)))
         if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            got = (tuple(value.shape) if isinstance(value, torch.Tensor)
+                   else type(value).__name__)
             raise TypeError(f"token_loss must return one position's loss, a 0-d tensor, got "
-                            f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}")
+                            f"{got}")
         return value
 
     if not want:
