@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import json
 import os
 import statistics
@@ -56,8 +55,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (RESULTS, Cluster, TensorBytes, machine_info, paired_rounds,  # noqa: E402
-                    write_json)
+from common import (RESULTS, Cluster, longest_under_cap, machine_info,  # noqa: E402
+                    paired_rounds, step_peaks, write_json)
 
 MODEL = dict(vocab=151936, hidden=128, layers=16, heads=4, kv_heads=2, intermediate=256)
 METHODS = ("untiled", "tiled")
@@ -153,14 +152,8 @@ def _setup(model: dict):
 
 
 def peak_task(model: dict, cases: list) -> list:
-    step = _setup(model)
-    out = []
-    for method, s in cases:
-        gc.collect()
-        with TensorBytes() as mode:
-            loss = step(s, method)
-        out.append({"method": method, "S": s, "peak_mib": mode.peak / 2**20, "loss": loss})
-    return out
+    """[{method, S, peak_mib, loss}] of each (method, S) in ``cases`` on this rank."""
+    return step_peaks(_setup(model), cases, "method")
 
 
 def time_task(model: dict, s: int, rounds: int) -> dict:
@@ -179,35 +172,16 @@ def _peak(cluster, model, method, s) -> float:
 
 def longest(cluster, model, method, opts, bar, guess=None) -> dict:
     """The longest S within the cap and the first over it, every probe recorded."""
-    w, cap, unit = cluster.world, opts["cap_mib"], 8 * cluster.world
-    probes, lo, hi = [], None, None
-    s = max(unit, (guess or opts["start"] * w) // unit * unit)
-    while lo is None or hi is None:
+    w = cluster.world
+
+    def peak_of(s):
         bar.set_postfix_str(f"{method} W={w} S={s}")
         peak = _peak(cluster, model, method, s)
-        probes.append({"S": s, "peak_mib": peak})
         bar.update(1)
-        if peak <= cap:
-            lo = s
-            if hi is None:
-                if s >= opts["max_s"]:
-                    break
-                s *= 2
-        else:
-            hi = s
-            if lo is None:
-                if s <= unit:
-                    break
-                s = max(unit, s // 2 // unit * unit)
-    for _ in range(opts["bisect"] if lo and hi else 0):
-        mid = (lo + hi) // 2 // unit * unit
-        if mid in (lo, hi):
-            break
-        bar.set_postfix_str(f"{method} W={w} S={mid}")
-        peak = _peak(cluster, model, method, mid)
-        probes.append({"S": mid, "peak_mib": peak})
-        bar.update(1)
-        lo, hi = (mid, hi) if peak <= cap else (lo, mid)
+        return peak
+
+    lo, hi, probes = longest_under_cap(peak_of, opts["cap_mib"], guess or opts["start"] * w,
+                                       8 * w, opts["max_s"], opts["bisect"])
     return {"method": method, "W": w, "max_s": lo, "first_over": hi, "probes": probes}
 
 

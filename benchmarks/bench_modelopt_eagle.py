@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import gc
 import json
 import os
 import statistics
@@ -45,7 +44,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (RESULTS, Cluster, TensorBytes, machine_info, paired_rounds,  # noqa: E402
+from common import (RESULTS, Cluster, machine_info, paired_rounds, step_peaks,  # noqa: E402
                     write_json)
 
 MODEL = dict(vocab=128256, draft_vocab=32000, hidden=128, heads=4, kv_heads=2, head_dim=32,
@@ -115,13 +114,7 @@ def _setup(model: dict):
 def peak_task(model: dict, cases: list) -> list:
     """[{teacher, S, peak_mib, loss}] of each (teacher, S) in ``cases`` on this rank."""
     step, _ = _setup(model)
-    out = []
-    for teacher, s in cases:
-        gc.collect()
-        with TensorBytes() as mode:
-            loss = step(s, teacher)
-        out.append({"teacher": teacher, "S": s, "peak_mib": mode.peak / 2**20, "loss": loss})
-    return out
+    return step_peaks(step, cases, "teacher")
 
 
 def time_task(model: dict, s: int, rounds: int) -> dict:

@@ -97,6 +97,51 @@ def paired_rounds(steps: dict, rounds: int, group=None) -> dict:
     return times
 
 
+def step_peaks(step, cases: list, key: str) -> list:
+    """[{key, S, peak_mib, loss}] of ``step(S, what)`` for each (what, S) in ``cases``: the
+    peak of live tensor bytes (``TensorBytes``) of each step on this rank."""
+    out = []
+    for what, s in cases:
+        gc.collect()
+        with TensorBytes() as mode:
+            loss = step(s, what)
+        out.append({key: what, "S": s, "peak_mib": mode.peak / 2**20, "loss": loss})
+    return out
+
+
+def longest_under_cap(peak_of, cap: float, start: int, unit: int, max_s: int,
+                      bisect: int) -> tuple:
+    """(longest S whose ``peak_of(S)`` is within ``cap``, first S over it, every probe as
+    {"S", "peak_mib"}): S doubles from ``start`` (halves while over the cap) until the cap is
+    bracketed or ``max_s`` / ``unit`` is reached, then ``bisect`` bisections; every S a
+    multiple of ``unit``. Either bound is None when the search never found it."""
+    probes, lo, hi = [], None, None
+    s = max(unit, start // unit * unit)
+    while lo is None or hi is None:
+        peak = peak_of(s)
+        probes.append({"S": s, "peak_mib": peak})
+        if peak <= cap:
+            lo = s
+            if hi is None:
+                if s >= max_s:
+                    break
+                s *= 2
+        else:
+            hi = s
+            if lo is None:
+                if s <= unit:
+                    break
+                s = max(unit, s // 2 // unit * unit)
+    for _ in range(bisect if lo and hi else 0):
+        mid = (lo + hi) // 2 // unit * unit
+        if mid in (lo, hi):
+            break
+        peak = peak_of(mid)
+        probes.append({"S": mid, "peak_mib": peak})
+        lo, hi = (mid, hi) if peak <= cap else (lo, mid)
+    return lo, hi, probes
+
+
 def summary(times: list[float]) -> dict:
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
             "n": len(times)}
