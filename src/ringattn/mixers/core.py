@@ -39,7 +39,7 @@ from ..masks import check_cu_seqlens
 from ..validate import describe_field, option_text, option_value
 from ._plan import Plan, conv_sources, make_plan
 
-__all__ = ["causal_conv1d", "linear_recurrence"]
+__all__ = ["Tie", "causal_conv1d", "gather_rows", "halo", "linear_recurrence"]
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _KINDS = ("diagonal", "matrix")
@@ -346,7 +346,7 @@ class _GatherRows(torch.autograd.Function):
         return (got, None, None) + (None,) * ctx.anchors
 
 
-class _Tie(torch.autograd.Function):
+class Tie(torch.autograd.Function):
     """``y`` (a copy), with ``table`` in its graph: the gathered table's backward runs on
     every rank whose output's does, even where no output needed the table."""
 
@@ -361,7 +361,9 @@ class _Tie(torch.autograd.Function):
         return grad, torch.zeros(shape, dtype=dtype, device=device)
 
 
-def _gather(x: torch.Tensor, pg, what: str, anchors) -> torch.Tensor:
+def gather_rows(x: torch.Tensor, pg, what: str, anchors) -> torch.Tensor:
+    """Every rank's ``x`` stacked in rank order ([W, *x.shape]), differentiable: the
+    backward reduce-scatters the gradient (``_GatherRows``; ``anchors`` as there)."""
     if dist.get_world_size(pg) == 1:
         return x.unsqueeze(0)
     return _GatherRows.apply(x, pg, what, *[a for a in anchors if a.requires_grad])
@@ -598,7 +600,7 @@ def linear_recurrence(scan, transition, inputs, *, state_shape, map_shape, out_s
             c_row if c_row is not None else x0.new_zeros(c_numel, dtype=sdtype)]))
     rows += [x0.new_zeros(m_numel + c_numel, dtype=sdtype)] * (plan.rows - len(rows))
     anchors = [t for t in (*inputs, *params) if isinstance(t, torch.Tensor)] if needs_grad else []
-    table = _gather(torch.stack(rows), pg, f"{name}'s all-gather of the chunks' state maps",
+    table = gather_rows(torch.stack(rows), pg, f"{name}'s all-gather of the chunks' state maps",
                     anchors)
     for index, at, piece, added in later:
         entry = None
@@ -618,7 +620,7 @@ def linear_recurrence(scan, transition, inputs, *, state_shape, map_shape, out_s
     dtype = next(iter(parts.values())).dtype if parts else x0.dtype
     y = _assemble(plan, parts, x0, tuple(out_shape), dtype)
     if needs_grad and plan.world > 1:
-        y = _Tie.apply(y, table)
+        y = Tie.apply(y, table)
     return y
 
 
@@ -627,6 +629,28 @@ def _numel(shape) -> int:
     for d in shape:
         n *= int(d)
     return n
+
+
+def halo(xs: torch.Tensor, plan: Plan, width: int, pg, what: str, anchors):
+    """(ext, table): ``xs`` [B, L, D] this rank's inputs, then every chunk's last ``width``
+    inputs (the table ``conv_sources(plan, width)`` indexes, rank-major, left-padded with
+    zeros), then one zero slot: [B, L + W * rows * width + 1, D]; and the gathered table
+    [W, rows, B, width, D] (one all-gather; its backward the reduce-scatter of the table's
+    gradient, made on every rank whose result reaches the loss: ``anchors``, the tensors
+    that require grad on every rank when any input does, keep it in the graph)."""
+    b, d = xs.shape[0], xs.shape[2]
+    tails = []
+    for c in plan.chunks[plan.rank]:
+        end = c.local_start + c.length
+        tail = xs[:, max(c.local_start, end - width):end]
+        if tail.shape[1] < width:
+            tail = torch.cat([xs.new_zeros((b, width - tail.shape[1], d)), tail], dim=1)
+        tails.append(tail)
+    tails += [xs.new_zeros((b, width, d))] * (plan.rows - len(tails))
+    table = gather_rows(torch.stack(tails), pg, what, anchors)  # [W, rows, B, width, D]
+    ext = torch.cat([xs, table.permute(2, 0, 1, 3, 4).reshape(b, -1, d),
+                     xs.new_zeros((b, 1, d))], dim=1)
+    return ext, table
 
 
 @agreed(sharded=("x",))
@@ -685,19 +709,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     w = w.to(dtype)
     out = xs * w[:, width]
     if width:
-        tails = []
-        for c in plan.chunks[plan.rank]:
-            end = c.local_start + c.length
-            tail = xs[:, max(c.local_start, end - width):end]
-            if tail.shape[1] < width:
-                tail = torch.cat([xs.new_zeros((b, width - tail.shape[1], d)), tail], dim=1)
-            tails.append(tail)
-        tails += [xs.new_zeros((b, width, d))] * (plan.rows - len(tails))
-        anchors = [x, *params.values()] if needs_grad else []
-        table = _gather(torch.stack(tails), pg, "causal_conv1d's all-gather of the chunks' "
-                        "last k-1 inputs", anchors)  # [W, rows, B, width, D]
-        ext = torch.cat([xs, table.permute(2, 0, 1, 3, 4).reshape(b, -1, d),
-                         xs.new_zeros((b, 1, d))], dim=1)
+        ext, _ = halo(xs, plan, width, pg, "causal_conv1d's all-gather of the chunks' last "
+                      "k-1 inputs", [x, *params.values()] if needs_grad else [])
         src = conv_sources(plan, width).to(x.device)
         for s in range(1, k):
             out = out + ext[:, src[s - 1]] * w[:, width - s]

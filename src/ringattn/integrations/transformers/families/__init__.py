@@ -8,7 +8,9 @@
 * ``relay``: StableLM and Nemotron, whose layers drop the ring context;
 * ``indexer``: DeepSeek sparse attention's indexers (top-k keys per query) over the whole
   sequence, the selection a key mask of the ring;
-* ``score_bias``: Inkling's per-query relative bias and sinks, Doge's per-key bias.
+* ``score_bias``: Inkling's per-query relative bias and sinks, Doge's per-key bias;
+* ``block_indexer``: Qwen4-Exp's and MiniMax-M3's block-sparse indexed attention;
+* ``compressed``: DeepSeek-V4's window + compressed-entry attention with sinks.
 
 Each file registers its families in ``checks.ATTENTION_FAMILIES`` (family -> mechanism);
 ``convert_attention`` runs the mechanism of a model's family. Adding a family that one of
@@ -20,6 +22,7 @@ from __future__ import annotations
 from ..checks import ATTENTION_FAMILIES, register_attention
 from .alibi import convert_alibi
 from .block_indexer import convert_block_indexer
+from .compressed import convert_compressed
 from .indexer import convert_indexer
 from .own_attention import convert_own_attention
 from .relay import convert_relay
@@ -37,7 +40,7 @@ only records that it was checked."""
 _MECHANISMS = {"alibi": convert_alibi, "own attention": convert_own_attention,
                "relay": convert_relay, "interface": lambda model: None,
                "indexer": convert_indexer, "score bias": convert_score_bias,
-               "block indexer": convert_block_indexer}
+               "block indexer": convert_block_indexer, "compressed": convert_compressed}
 """checks.ATTENTION_FAMILIES' mechanism names -> the conversion each runs."""
 
 
