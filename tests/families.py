@@ -1438,10 +1438,13 @@ def _randomize_sinks(model) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * 2.0)
 
 
-def build(name: str, attn_implementation: str):
+def build(name: str, attn_implementation: str, edit=None):
     """Family ``name`` with ``attn_implementation`` ("eager", "ringattn", ...): fp32, train
-    mode (eval for ``_EVAL``), the same weights on every call."""
+    mode (eval for ``_EVAL``), the same weights on every call (``edit(config)``: a change
+    to its config first)."""
     cfg, cls = FAMILIES[name]()
+    if edit is not None:
+        edit(cfg)
     cfg._attn_implementation = attn_implementation
     torch.manual_seed(0)
     model = cls(cfg).float()

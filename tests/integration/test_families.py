@@ -61,6 +61,14 @@ pytest.importorskip("transformers")
 TOL = 1e-5
 """fp32 model against the same fp32 model in one process; test_transformers measures
 about 1e-7, and 1e-5 leaves room for the longer reductions of the bigger families."""
+GRAD_TOL = {"deepseek_v4": 5e-5}
+"""Families whose fp32 gradients are more sensitive to rounding than TOL allows, with the
+bound their own measurement gives. DeepSeek-V4: multiplying one process's own attention
+outputs by (1 + 2.6e-7 x noise), the size of fp32 rounding that separates any two attention
+algorithms (CP's here), moves the gradient of its final hyper-connection head
+(``hc_head.hc_fn``) by 8-10e-6 relative (``test_compressed_attention.py::
+test_fp32_gradients_are_that_sensitive`` measures it); its attention outputs in float64 equal
+one process's within 1e-12 there, as do its float64 logits."""
 GRAD_FLOOR = 1e-3
 """A parameter's gradient error is relative to its reference gradient, or to GRAD_FLOOR
 times the whole model's gradient where that is larger: some gradients are analytically
@@ -244,12 +252,13 @@ EXPECTED = {
     # module
     "gpt_neox_japanese": EXACT,
     # a learned indexer keeps each query's top-k keys over the whole sequence (sparse
-    # attention: ra_hf.convert, as deepseek_v32; deepseek_v4 also attends to keys compressed
-    # over blocks of tokens, refused)
+    # attention: ra_hf.convert, as deepseek_v32)
     "axk2": EXACT,
     "hy_v4": EXACT,
     "dots3_note_text": EXACT,
-    "deepseek_v4": REFUSED,
+    # window keys + entries compressed over blocks of slots (an indexer keeps each query's
+    # top-k of them in the CSA layers) + sinks: ra_hf.convert (families/compressed.py)
+    "deepseek_v4": EXACT,
     # more hybrids (integrations/transformers/mixers/ (conv.py, delta.py)): LFM3's short convolution, ZAYA's CCA
     # projection (q/k convolutions, delayed values) converted by convert_mixers
     "lfm3": EXACT,
@@ -325,6 +334,7 @@ EXPECTED_SHARD = {
     "axk2": REFUSED,
     "hy_v4": REFUSED,
     "dots3_note_text": REFUSED,
+    "deepseek_v4": REFUSED,
 }
 
 # delta-rule hybrids (convert_mixers, integrations/transformers/mixers/delta.py): converted exact, their
@@ -483,7 +493,8 @@ def _one_path(name: str, batch: dict, group, path: str, ref_model, ref,
     except Exception as exc:  # e.g. another rank failed and left this one in a collective
         outcome, msg = _failure(exc)
         return (outcome if outcome == "hang" else "crash"), f"comparing: {msg}"
-    ok = all(errs[t] <= TOL for t in ("logits", "loss", "grads"))  # False for NaN
+    ok = all(errs[t] <= (GRAD_TOL.get(name, TOL) if t == "grads" else TOL)
+             for t in ("logits", "loss", "grads"))  # False for NaN
     return (EXACT if ok else "WRONG"), errs
 
 
@@ -553,8 +564,11 @@ def test_family_is_exact_or_refuses(surveyed, worst_errors, family, kind, world,
                                  f"(expected {want}): {detail}")
         if outcome == EXACT:
             for name in ("logits", "loss", "grads"):
-                key = ("HF families", name)  # printed in make test's summary of worst errors
-                worst_errors[key] = (max(worst_errors.get(key, (0.0, TOL))[0], detail[name]), TOL)
+                bound = GRAD_TOL.get(family, TOL) if name == "grads" else TOL
+                key = ("HF families" if bound == TOL else f"HF {family}", name)  # the
+                # summary of worst errors make test prints
+                worst_errors[key] = (max(worst_errors.get(key, (0.0, bound))[0], detail[name]),
+                                     bound)
 
 
 def test_convert_refuses_what_it_cannot_make_exact():

@@ -1,0 +1,276 @@
+"""DeepSeek-V4's compressed attention (integrations/transformers/families/compressed.py),
+converted by ``ra_hf.convert``, equals the same model in one process (transformers' eager
+attention on the whole batch) on every rank.
+
+Compared: every layer's attention output (gathered, every slot: the padding's too, since
+its slots are pooled into compressed entries), the logits on real tokens, the summed loss
+and every parameter gradient summed over the ranks. The models are the survey's
+(``families.py``: a CSA layer with compress rate 4 and an indexer keeping 4 entries, then an
+HCA layer with rate 8; sliding window 8, hyper-connections, a hash-routed MoE layer) with
+random sinks and random compressor / indexer position biases (transformers initialises
+those to zero, which would leave the gates' bias untested).
+
+Cases, each at W = 2, 3 and 4 (one cluster call per W), S = 37 (no multiple of 4, 8 or W):
+plain, left-padded (row 1 by 7), right-padded (row 1's last 6) and packed rows (one row of
+documents by restarting position_ids; compared with transformers' own run of that packed
+row, whose compressors pool across documents and whose queries see entries by their
+position ids), zigzag and contiguous layouts; ties (the indexers' query projections zeroed:
+every score is 0, so ``torch.topk``'s own rule picks the entries, on every rank as in one
+process); a top k above the number of entries; rates 8 and 16 (an HCA window wider than
+every shard at W = 3 and 4: its halo comes from several ranks); S = 4 and 9 (no HCA entry,
+a rank with no token of its own); gradient checkpointing (fp32). Float64 runs compare
+attention outputs within ATTN64, their logits within LOGITS64 and loss and gradients within
+TOL (transformers' loss upcasts the logits to float32, and the model keeps its RMSNorms in
+float32); fp32 runs within TOL, gradients within the survey's GRAD_TOL for this family
+(``test_fp32_gradients_are_that_sensitive`` measures why).
+
+Refused on every rank with its reason: another strategy than the ring (Ulysses, all-gather),
+the striped layout, a cache, left padding given as ``inputs_embeds``; and at ``convert``, a
+compressor class that is not transformers' own.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "integration"))
+
+from families import FAMILIES, build  # noqa: E402
+from reference import rel_err  # noqa: E402
+from test_families import GRAD_TOL, TOL, _errors  # noqa: E402
+from test_transformers import _batch  # noqa: E402
+
+pytest.importorskip("transformers")
+
+FAMILY = "deepseek_v4"
+ATTN64 = 1e-12
+"""Float64 attention outputs of every layer (measured: 4.8e-16)."""
+LOGITS64 = 1e-7
+"""Float64 logits (measured: 2e-8): the model keeps its RMSNorms in float32, where a last-bit
+difference of float64 inputs sometimes rounds the other way."""
+FP32_GRADS = GRAD_TOL[FAMILY]
+
+
+def _rates(config):
+    config.compress_rates = {"compressed_sparse_attention": 8,
+                             "heavily_compressed_attention": 16}
+
+
+def _model(variant, attn, dtype):
+    """The survey's model (``build``), random position biases, the variant's change."""
+    model = build(FAMILY, attn, _rates if variant == "rates" else None)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("position_bias"):
+                p.copy_(torch.randn(p.shape, generator=g))
+        for m in model.modules():
+            if variant == "ties" and type(m).__name__ == "DeepseekV4Indexer":
+                m.q_b_proj.weight.zero_()
+            if variant == "wide" and type(m).__name__ == "DeepseekV4Indexer":
+                m.index_topk = 64
+    model = model.to(dtype)
+    if dtype == torch.float64:  # grouped_mm has no float64 kernel: the experts' loop
+        model.config._experts_implementation = "eager"
+    if variant == "checkpointing":
+        model.gradient_checkpointing_enable()
+    model.train()
+    return model
+
+
+def _attention_outputs(model):
+    """{layer: [outputs]} recorded by forward hooks on each layer's attention."""
+    seen = {}
+    for name, m in model.named_modules():
+        if name.endswith("self_attn"):
+            m.register_forward_hook(
+                lambda mod, args, out, name=name: seen.setdefault(name, []).append(
+                    out[0].detach()))
+    return seen
+
+
+CASES = [  # (variant, batch kind, layout, S, dtype)
+    *(("survey", k, lay, 37, torch.float64) for k in ("plain", "left-padding", "packed")
+      for lay in ("zigzag", "contiguous")),
+    ("survey", "right-padding", "zigzag", 37, torch.float64),
+    *(("ties", k, "zigzag", 37, torch.float64) for k in ("plain", "left-padding")),
+    ("wide", "plain", "contiguous", 37, torch.float64),
+    *(("rates", k, lay, 37, torch.float64) for k in ("plain", "left-padding")
+      for lay in ("zigzag", "contiguous")),
+    *(("survey", "plain", lay, s, torch.float64) for s in (4, 9)
+      for lay in ("zigzag", "contiguous")),
+    ("survey", "plain", "zigzag", 37, torch.float32),
+    *(("checkpointing", k, "zigzag", 37, torch.float32) for k in ("plain", "left-padding")),
+]
+
+REFUSALS = {  # name -> what every rank's ValueError says
+    "ulysses": "runs with strategy 'ring'",
+    "allgather": "runs with strategy 'ring'",
+    "striped": "puts token t on rank t mod W",
+    "cache": "use_cache=False",
+    "embeds": "padding's own ids",
+}
+
+
+def _run(case):
+    """This rank's errors for one case."""
+    from ringattn.integrations import transformers as ra_hf
+
+    variant, kind, layout, seqlen, dtype = case
+    batch = _batch(kind, seqlen)
+    ref_model = _model(variant, "eager", dtype)
+    ref_attn = _attention_outputs(ref_model)
+    ref = ref_model(**batch, use_cache=False)
+    ref.loss.backward()
+    group = dist.new_group(backend="gloo")
+    try:
+        model = ra_hf.convert(_model(variant, "ringattn", dtype))
+        attn = _attention_outputs(model)
+        local = ra_hf.prepare_batch(model, batch, group=group, layout=layout)
+        out = model(**local, use_cache=False)
+        local["ring_context"].check_consumed(model)
+        out.loss.backward()
+        cu = local["ring_context"].cu_seqlens
+        errs = _errors(batch, ref_model, ref, model, out, group, layout, cu)
+        import ringattn as ra
+
+        errs["attention"] = max(
+            rel_err(ra.unshard(attn[name][0].contiguous(), group=group, layout=layout,
+                               seqlen=seqlen, cu_seqlens=cu), ref_attn[name][0])
+            for name in ref_attn)
+        return errs
+    except Exception as exc:  # reported per case by the test
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        dist.destroy_process_group(group)
+
+
+def _refusal(name):
+    """This rank's outcome of one call ringattn must refuse."""
+    from ringattn.integrations import transformers as ra_hf
+
+    batch = _batch("left-padding" if name == "embeds" else "plain", 37)
+    group = dist.new_group(backend="gloo")
+    try:
+        model = ra_hf.convert(_model("survey", "ringattn", torch.float32))
+        local = ra_hf.prepare_batch(
+            model, batch, group=group, layout="striped" if name == "striped" else "zigzag",
+            strategy=name if name in ("ulysses", "allgather") else "ring")
+        if name == "embeds":
+            local["inputs_embeds"] = model.get_input_embeddings()(local.pop("input_ids"))
+        model(**local, use_cache=name == "cache")
+        return "ran"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        dist.destroy_process_group(group)
+
+
+def _cases(cases) -> dict:
+    from ringattn.integrations import transformers as ra_hf
+
+    ra_hf.register()
+    results = {case: _run(case) for case in cases}
+    results.update({name: _refusal(name) for name in REFUSALS})
+    return results
+
+
+@pytest.fixture(scope="module")
+def exact(clusters):
+    done = {}
+
+    def get(world):
+        if world not in done:
+            done[world] = clusters(world).run(_cases, CASES, timeout=600)
+        return done[world]
+
+    return get
+
+
+def _name(case):
+    variant, kind, layout, seqlen, dtype = case
+    return f"{variant}-{kind}-{layout}-S{seqlen}-{str(dtype)[6:]}"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world", (2, 3, 4))
+@pytest.mark.parametrize("case", CASES, ids=_name)
+def test_compressed_attention_equals_one_process(exact, worst_errors, case, world):
+    dtype = case[-1]
+    bounds = ({"attention": ATTN64, "logits": LOGITS64, "loss": TOL, "grads": TOL}
+              if dtype == torch.float64 else
+              {"attention": TOL, "logits": TOL, "loss": TOL, "grads": FP32_GRADS})
+    for rank, errs in enumerate(exact(world)):
+        got = errs[case]
+        assert isinstance(got, dict), f"{_name(case)}, W={world}, rank {rank}: {got}"
+        for what, bound in bounds.items():
+            assert got[what] <= bound, f"{_name(case)}, W={world}, rank {rank}: {what} {got}"
+            key = (f"HF deepseek_v4 {str(dtype)[6:]}", what)
+            worst_errors[key] = max(worst_errors.get(key, (0.0, bound)), (got[what], bound))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world", (2, 3))
+@pytest.mark.parametrize("name", sorted(REFUSALS))
+def test_what_cannot_be_exact_is_refused_on_every_rank(exact, name, world):
+    for rank, errs in enumerate(exact(world)):
+        got = errs[name]
+        assert got.startswith("ValueError") and REFUSALS[name] in got, (name, rank, got)
+
+
+def test_ties_are_real_and_convert_takes_only_its_own_classes():
+    """The tie variant ties (one process's indexer picks among all-zero score rows), and
+    ``convert`` refuses a compressor it does not know before any rank is involved."""
+    from ringattn.integrations import transformers as ra_hf
+
+    ra_hf.register()
+    scores = []
+    model = _model("ties", "eager", torch.float64)
+    for m in model.modules():
+        if type(m).__name__ == "DeepseekV4IndexerScorer":
+            m.register_forward_hook(lambda mod, args, out: scores.append(out))
+    model(**_batch("plain", 37), use_cache=False)
+    assert scores and bool((scores[0] == 0).all()) and scores[0].shape[-1] == 9
+    with pytest.raises(ValueError, match="convert it first"):
+        ra_hf.check_model(_model("survey", "ringattn", torch.float32))
+    model = _model("survey", "ringattn", torch.float32)
+    comp = model.model.layers[1].self_attn.compressor
+    comp.__class__ = type("MyCompressor", (type(comp),), {})
+    with pytest.raises(TypeError, match="MyCompressor"):
+        ra_hf.convert(model)
+    model = ra_hf.convert(_model("survey", "ringattn", torch.float32))
+    ra_hf.check_model(model)
+    assert sorted({type(m).__name__ for m in model.modules()
+                   if type(m).__name__.startswith("Ring")}) == ["RingDeepseekV4Attention"]
+
+
+def test_fp32_gradients_are_that_sensitive():
+    """Why the survey bounds this family's fp32 gradients by GRAD_TOL: multiplying one
+    process's own attention outputs by (1 + 2.6e-7 x noise), the fp32 rounding any other
+    attention algorithm differs by, moves its gradients by more than TOL / 3 (on the final
+    hyper-connection head), and less than GRAD_TOL / 2."""
+    batch = _batch("plain", 37)
+
+    def grads(noise):
+        model = build(FAMILY, "eager")
+        g = torch.Generator().manual_seed(3)
+        if noise:
+            for name, m in model.named_modules():
+                if name.endswith("self_attn"):
+                    m.register_forward_hook(lambda mod, args, out: (
+                        out[0] * (1 + noise * torch.randn(out[0].shape, generator=g)),
+                        out[1]))
+        model(**batch, use_cache=False).loss.backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    clean, moved = grads(0.0), grads(2.6e-7)
+    floor = 1e-3 * float(torch.cat([g.flatten() for g in clean.values()]).norm())
+    worst = max(float((moved[n] - g).norm()) / max(float(g.norm()), floor)
+                for n, g in clean.items())
+    assert TOL / 3 < worst < GRAD_TOL[FAMILY] / 2, worst
