@@ -842,7 +842,9 @@ def test_family_counts_in_the_pages_are_the_tables():
     outcomes = [v["plain"] if isinstance(v, dict) else v for v in test_families.EXPECTED.values()]
     assert _count(models, r"Tested on (\d+) families \(tests/integration/test_families\.py\): "
                           r"(\d+) exact,") == (len(outcomes), outcomes.count("exact"))
-    assert _count(models, r"(\d+) refused \(deepseek_v4") == (outcomes.count("refused"),)
+    assert _count(models, r"and deepseek_v4 \(compressed attention, `convert`\), (\d+) "
+                          r"refused") == (outcomes.count("refused"),)
+    assert test_families.EXPECTED["deepseek_v4"] == "exact"
     table = set()
     for line in mixers.splitlines():
         first = line.split("|")[1].strip() if line.startswith("| `") else ""

@@ -133,8 +133,9 @@ _TOP_K_KEYS = frozenset({"deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "dots3_
 """Families whose attention keeps, for each query, only the keys an indexer scores highest
 among all keys of the sequence (DeepSeek sparse attention): a data-dependent key set per
 query. Those that ``families/indexer.py`` registers are served once converted (the
-selection over the whole sequence, then the ring with it as a key mask); the others are
-refused."""
+selection over the whole sequence, then the ring with it as a key mask), and deepseek_v4,
+whose indexer keeps entries compressed over blocks of slots, once ``families/compressed.py``
+converted it; any other is refused."""
 
 _INDEXED_LAYER_TYPES = frozenset({"indexed_attention"})
 """Layer types of the _TOP_K_KEYS families that are attention with an indexer (dots3-note):
