@@ -107,7 +107,16 @@ CASES = [  # (variant, batch kind, layout, S, dtype)
       for lay in ("zigzag", "contiguous")),
     ("survey", "plain", "zigzag", 37, torch.float32),
     *(("checkpointing", k, "zigzag", 37, torch.float32) for k in ("plain", "left-padding")),
+    ("router", "left-padding", "zigzag", 37, torch.float64),
+    *(("shard", k, "contiguous", 37, torch.float64) for k in ("left-padding", "packed")),
+    ("bf16", "plain", "zigzag", 37, torch.bfloat16),
+    ("autocast", "left-padding", "zigzag", 37, torch.float32),
 ]
+
+HALF = {"bf16": 3e-2, "autocast": 3e-2}
+"""Variants in bfloat16 (the model's weights, or fp32 weights under bf16 autocast), compared
+with the fp32 model in one process: their logits, loss and attention outputs within the
+bound (bf16 rounds each value to 8 bits of mantissa, 4e-3); their gradients finite."""
 
 REFUSALS = {  # name -> what every rank's ValueError says
     "ulysses": "runs with strategy 'ring'",
@@ -120,26 +129,34 @@ REFUSALS = {  # name -> what every rank's ValueError says
 
 def _run(case):
     """This rank's errors for one case."""
+    import ringattn as ra
     from ringattn.integrations import transformers as ra_hf
 
     variant, kind, layout, seqlen, dtype = case
     batch = _batch(kind, seqlen)
-    ref_model = _model(variant, "eager", dtype)
+    extra = {"output_router_logits": True} if variant == "router" else {}
+    low = variant in HALF  # compared with the fp32 model in one process
+    ref_model = _model(variant, "eager", torch.float32 if low else dtype)
     ref_attn = _attention_outputs(ref_model)
-    ref = ref_model(**batch, use_cache=False)
+    ref = ref_model(**batch, use_cache=False, **extra)
     ref.loss.backward()
     group = dist.new_group(backend="gloo")
     try:
         model = ra_hf.convert(_model(variant, "ringattn", dtype))
         attn = _attention_outputs(model)
-        local = ra_hf.prepare_batch(model, batch, group=group, layout=layout)
-        out = model(**local, use_cache=False)
+        if variant == "shard":  # the lower path: shard_batch, then the model
+            local = ra.shard_batch(batch, group=group, layout=layout)
+        else:
+            local = ra_hf.prepare_batch(model, batch, group=group, layout=layout)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant == "autocast"):
+            out = model(**local, use_cache=False, **extra)
         local["ring_context"].check_consumed(model)
         out.loss.backward()
         cu = local["ring_context"].cu_seqlens
         errs = _errors(batch, ref_model, ref, model, out, group, layout, cu)
-        import ringattn as ra
-
+        if variant == "router":
+            aux = out.aux_loss.detach().clone()
+            errs["aux"] = rel_err(aux, ref.aux_loss)
         errs["attention"] = max(
             rel_err(ra.unshard(attn[name][0].contiguous(), group=group, layout=layout,
                                seqlen=seqlen, cu_seqlens=cu), ref_attn[name][0])
@@ -202,16 +219,21 @@ def _name(case):
 @pytest.mark.parametrize("world", (2, 3, 4))
 @pytest.mark.parametrize("case", CASES, ids=_name)
 def test_compressed_attention_equals_one_process(exact, worst_errors, case, world):
-    dtype = case[-1]
+    variant, dtype = case[0], case[-1]
     bounds = ({"attention": ATTN64, "logits": LOGITS64, "loss": TOL, "grads": TOL}
               if dtype == torch.float64 else
               {"attention": TOL, "logits": TOL, "loss": TOL, "grads": FP32_GRADS})
+    if variant in HALF:
+        bounds = dict.fromkeys(("attention", "logits", "loss"), HALF[variant])
+        bounds["grads"] = float("inf")  # finite (NaN fails any bound)
+    if variant == "router":
+        bounds["aux"] = TOL
     for rank, errs in enumerate(exact(world)):
         got = errs[case]
         assert isinstance(got, dict), f"{_name(case)}, W={world}, rank {rank}: {got}"
         for what, bound in bounds.items():
             assert got[what] <= bound, f"{_name(case)}, W={world}, rank {rank}: {what} {got}"
-            key = (f"HF deepseek_v4 {str(dtype)[6:]}", what)
+            key = (f"HF deepseek_v4 {variant if variant in HALF else str(dtype)[6:]}", what)
             worst_errors[key] = max(worst_errors.get(key, (0.0, bound)), (got[what], bound))
 
 
