@@ -18,7 +18,11 @@ position ids), zigzag and contiguous layouts; ties (the indexers' query projecti
 every score is 0, so ``torch.topk``'s own rule picks the entries, on every rank as in one
 process); a top k above the number of entries; rates 8 and 16 (an HCA window wider than
 every shard at W = 3 and 4: its halo comes from several ranks); S = 4 and 9 (no HCA entry,
-a rank with no token of its own); gradient checkpointing (fp32). Float64 runs compare
+a rank with no token of its own); gradient checkpointing (fp32); the global router loss
+(``output_router_logits=True``); the lower path (``ra.shard_batch`` then the model, padded
+and packed rows); ``ra_hf.context_parallel`` on the global batch with its tiled loss (the
+loss on every rank, the ranks' mean gradient); bf16 weights and bf16 autocast (against the
+fp32 model, within ``HALF``). Float64 runs compare
 attention outputs within ATTN64, their logits within LOGITS64 and loss and gradients within
 TOL (transformers' loss upcasts the logits to float32, and the model keeps its RMSNorms in
 float32); fp32 runs within TOL, gradients within the survey's GRAD_TOL for this family
@@ -43,7 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from families import FAMILIES, build  # noqa: E402
 from reference import rel_err  # noqa: E402
-from test_families import GRAD_TOL, TOL, _errors  # noqa: E402
+from test_families import GRAD_FLOOR, GRAD_TOL, TOL, _errors, _flat_grads  # noqa: E402
 from test_transformers import _batch  # noqa: E402
 
 pytest.importorskip("transformers")
@@ -109,6 +113,7 @@ CASES = [  # (variant, batch kind, layout, S, dtype)
     *(("checkpointing", k, "zigzag", 37, torch.float32) for k in ("plain", "left-padding")),
     ("router", "left-padding", "zigzag", 37, torch.float64),
     *(("shard", k, "contiguous", 37, torch.float64) for k in ("left-padding", "packed")),
+    ("manager", "plain", "zigzag", 37, torch.float64),
     ("bf16", "plain", "zigzag", 37, torch.bfloat16),
     ("autocast", "left-padding", "zigzag", 37, torch.float32),
 ]
@@ -144,6 +149,9 @@ def _run(case):
     try:
         model = ra_hf.convert(_model(variant, "ringattn", dtype))
         attn = _attention_outputs(model)
+        if variant == "manager":  # context_parallel: the global batch, the tiled loss
+            return _managed(model, batch, ref_model, ref, ref_attn, attn, group, layout,
+                            seqlen)
         if variant == "shard":  # the lower path: shard_batch, then the model
             local = ra.shard_batch(batch, group=group, layout=layout)
         else:
@@ -166,6 +174,32 @@ def _run(case):
         return f"{type(exc).__name__}: {exc}"
     finally:
         dist.destroy_process_group(group)
+
+
+def _managed(model, batch, ref_model, ref, ref_attn, attn, group, layout, seqlen):
+    """Errors of a step under ``ra_hf.context_parallel`` (its default tiled loss): the loss
+    on every rank, the ranks' mean gradient, the attention outputs."""
+    import ringattn as ra
+    from ringattn.integrations import transformers as ra_hf
+
+    with ra_hf.context_parallel(model, group=group, layout=layout):
+        out = model(**batch, use_cache=False)
+        out.loss.backward()
+    grads = _flat_grads(model)
+    dist.all_reduce(grads, group=group)
+    grads /= dist.get_world_size(group)
+    ref_grads = _flat_grads(ref_model).double()
+    floor = GRAD_FLOOR * float(ref_grads.norm())
+    worst, start = 0.0, 0
+    for p in ref_model.parameters():
+        g_ref = ref_grads[start:start + p.numel()]
+        diff = float((grads[start:start + p.numel()].double() - g_ref).norm())
+        worst = max(worst, diff / max(float(g_ref.norm()), floor))
+        start += p.numel()
+    return {"logits": 0.0, "loss": rel_err(out.loss.detach(), ref.loss), "grads": worst,
+            "attention": max(rel_err(ra.unshard(attn[n][0].contiguous(), group=group,
+                                                layout=layout, seqlen=seqlen), ref_attn[n][0])
+                             for n in ref_attn)}
 
 
 def _refusal(name):
