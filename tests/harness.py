@@ -17,6 +17,18 @@ class Clusters:
             c = self._by_world[world] = LocalCluster(world, timeout_s=120)
         return c
 
+    def once_per_world(self, fn, *args, timeout: float):
+        """``get(W)``: ``fn(*args)``'s results on every rank of the W-rank cluster, run on
+        the first call for W and kept (a module's cases in one cluster call per W)."""
+        done: dict = {}
+
+        def get(world: int):
+            if world not in done:
+                done[world] = self(world).run(fn, *args, timeout=timeout)
+            return done[world]
+
+        return get
+
     def close(self) -> None:
         for c in self._by_world.values():
             c.close()

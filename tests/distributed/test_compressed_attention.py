@@ -234,14 +234,7 @@ def _cases(cases) -> dict:
 
 @pytest.fixture(scope="module")
 def exact(clusters):
-    done = {}
-
-    def get(world):
-        if world not in done:
-            done[world] = clusters(world).run(_cases, CASES, timeout=600)
-        return done[world]
-
-    return get
+    return clusters.once_per_world(_cases, CASES, timeout=600)
 
 
 def _name(case):

@@ -179,14 +179,7 @@ def exact_cases(names) -> dict:
 
 @pytest.fixture(scope="module")
 def exact(clusters):
-    done = {}
-
-    def get(world):
-        if world not in done:
-            done[world] = clusters(world).run(exact_cases, list(CONVERTED), timeout=240)
-        return done[world]
-
-    return get
+    return clusters.once_per_world(exact_cases, list(CONVERTED), timeout=240)
 
 
 @pytest.mark.timeout(300)

@@ -51,7 +51,8 @@ from ..attention import _check_call
 from ..checks import register_attention
 from ..state import (SwapMixin, bind_context, bound_call, current_call, hook_restore_padding,
                      missing_error, owner, swap_class)
-from .indexer import IndexerKeys, agreed_token, crc, gather_sequence, own_keys
+from .indexer import (IndexerKeys, agreed_token, crc, gather_sequence, own_keys, refuse_cache,
+                      ring_only)
 
 __all__ = ["BlockSelection", "convert_block_indexer"]
 
@@ -148,14 +149,9 @@ def _qwen4_blocks(ctx, batch: int, ratio: int, device) -> torch.Tensor:
 
 def _checks(module, ctx, cache, n, kwargs, attention_mask):
     """This rank's refusals before anything travels (ValueError / TypeError)."""
-    if cache is not None:
-        raise ValueError(f"{type(module).__name__} got a cache under context parallelism; "
-                         f"call the model with use_cache=False")
-    if ctx.mesh is not None or ctx.strategy != "ring":
-        raise ValueError(f"the block indexer's selection runs with strategy 'ring' on a 1-D "
-                         f"group (each rank holds its own query rows' selection), got "
-                         f"strategy {ctx.strategy!r}"
-                         + (" on a 2-D mesh" if ctx.mesh is not None else ""))
+    refuse_cache(module, cache)
+    ring_only(ctx, "the block indexer's selection",
+              "each rank holds its own query rows' selection")
     dropout = module.attention_dropout if module.training else 0.0
     is_causal, window, extra = _check_call(module, attention_mask, dropout, None, True, ctx,
                                            False, None, kwargs)

@@ -58,7 +58,7 @@ from ..attention import _check_call
 from ..checks import register_attention
 from ..state import (SwapMixin, bind_context, bound_call, current_call, hook_restore_padding,
                      missing_error, owner, swap_class)
-from .indexer import crc
+from .indexer import crc, refuse_cache, ring_only
 
 __all__ = ["convert_compressed"]
 
@@ -248,13 +248,9 @@ def _entry_attention(q, entries, visible, picked, scaling):
 
 def _checks(module, ctx, cache, attention_mask, position_ids, n, kwargs):
     """This rank's refusals before anything travels; (layout, window, extra mask)."""
-    if cache is not None:
-        raise ValueError(f"{type(module).__name__} got a cache under context parallelism; "
-                         f"call the model with use_cache=False")
-    if ctx.mesh is not None or ctx.strategy != "ring":
-        raise ValueError(f"DeepSeek-V4's compressed attention runs with strategy 'ring' on a "
-                         f"1-D group, got strategy {ctx.strategy!r}"
-                         + (" on a 2-D mesh" if ctx.mesh is not None else ""))
+    refuse_cache(module, cache)
+    ring_only(ctx, "DeepSeek-V4's compressed attention",
+              "each rank selects and attends to the entries of its own queries")
     problem = _exact_parts(module)
     if problem is not None:
         raise TypeError(f"ringattn reproduces DeepseekV4Attention with transformers' own "

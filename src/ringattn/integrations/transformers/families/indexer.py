@@ -81,8 +81,8 @@ from ..checks import register_attention
 from ..state import MISSING, SwapMixin, bind_context, bound_context, missing_error, swap_class
 
 __all__ = ["SELECTION", "Selection", "agreed_token", "attach_selection", "convert_indexer",
-           "IndexerKeys", "crc", "gather_sequence", "indexer_ties", "own_keys", "row_chunks",
-           "row_mask"]
+           "IndexerKeys", "crc", "gather_sequence", "indexer_ties", "own_keys", "refuse_cache",
+           "ring_only", "row_chunks", "row_mask"]
 
 FAMILIES = ("deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "dots3_note_text")
 register_attention("indexer", FAMILIES)
@@ -249,15 +249,28 @@ def own_keys(run, name: str):
                     f"whole sequence's")
 
 
+def refuse_cache(module, cache) -> None:
+    """Raise the ValueError of a converted layer given a cache under a ring context."""
+    if cache is not None:
+        raise ValueError(f"{type(module).__name__} got a cache under context parallelism; "
+                         f"call the model with use_cache=False")
+
+
+def ring_only(ctx, what: str, why: str) -> None:
+    """Raise the ValueError of ``what`` (which runs on the ring strategy of a 1-D group
+    only, ``why``) under any other strategy or a 2-D mesh."""
+    if ctx.mesh is not None or ctx.strategy != "ring":
+        raise ValueError(f"{what} runs with strategy 'ring' on a 1-D group ({why}), got "
+                         f"strategy {ctx.strategy!r}"
+                         + (" on a 2-D mesh" if ctx.mesh is not None else ""))
+
+
 def check_selection(module, what: str, attention_mask, ctx, n: int, world: int):
     """The checks every per-query selection over the whole sequence makes before its
     agreement (raised there, on every rank): the ring strategy on a 1-D group, padding
     through ``shard_batch``, a shard of the context's length. Returns (layout, row mask)."""
     seqlen = ctx.seqlen
-    if ctx.mesh is not None or ctx.strategy != "ring":
-        raise ValueError(f"{what} runs with strategy 'ring' on a 1-D group (each rank holds "
-                         f"the selection of its own queries), got strategy {ctx.strategy!r}"
-                         + (" on a 2-D mesh" if ctx.mesh is not None else ""))
+    ring_only(ctx, what, "each rank holds the selection of its own queries")
     if attention_mask is not None and not isinstance(attention_mask, ModelMask):
         raise TypeError(f"{type(module).__name__} got a dense attention mask; padding goes "
                         f"through ringattn.shard_batch")
@@ -311,9 +324,7 @@ def _select(module, own, hidden, q_resid, position_embeddings, attention_mask, p
     seqlen = ctx.seqlen
     error, fields, local_keys, mask, lay = None, {}, None, None, None
     try:
-        if cache is not None:
-            raise ValueError(f"{type(module).__name__} got a cache under context "
-                             f"parallelism; call the model with use_cache=False")
+        refuse_cache(module, cache)
         lay, mask = check_selection(module, "the indexer's top-k selection", attention_mask,
                                     ctx, n, world)
         local_keys = own_keys(lambda keys: own(hidden, q_resid, position_embeddings,

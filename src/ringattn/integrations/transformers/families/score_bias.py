@@ -49,6 +49,7 @@ from .indexer import (
     check_selection,
     crc,
     gather_sequence,
+    refuse_cache,
     row_chunks,
 )
 from .router import _local_positions
@@ -105,9 +106,7 @@ class _InklingAttention(SwapMixin):
         if ctx is None:
             return super().forward(hidden_states, attention_mask, conv_mask=conv_mask,
                                    cache=cache, **kwargs)
-        if cache is not None:
-            raise ValueError(f"{type(self).__name__} got a cache under context "
-                             f"parallelism; call the model with use_cache=False")
+        refuse_cache(self, cache)
         shape = hidden_states.shape[:-1]
         hidden_shape = (*shape, -1, self.head_dim)
         q = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
@@ -147,9 +146,7 @@ class _Inkling2Attention(SwapMixin):
         ctx = kwargs.get("ring_context")
         if ctx is None or args:
             return super().forward(hidden_states, *args, **kwargs)
-        if kwargs.pop("cache", None) is not None:
-            raise ValueError(f"{type(self).__name__} got a cache under context "
-                             f"parallelism; call the model with use_cache=False")
+        refuse_cache(self, kwargs.pop("cache", None))
         key_states_in = kwargs.pop("key_hidden_states", None)
         value_states_in = kwargs.pop("value_hidden_states", None)
         key_states_in = hidden_states if key_states_in is None else key_states_in
@@ -202,9 +199,7 @@ class _DogeAttention(SwapMixin):
         if ctx is None:
             return super().forward(hidden_states, position_embeddings, attention_mask,
                                    cache=cache, **kwargs)
-        if cache is not None:
-            raise ValueError(f"{type(self).__name__} got a cache under context "
-                             f"parallelism; call the model with use_cache=False")
+        refuse_cache(self, cache)
         shape = hidden_states.shape[:-1]
         hidden_shape = (*shape, -1, self.head_dim)
         q = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
