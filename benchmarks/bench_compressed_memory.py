@@ -30,7 +30,6 @@ Writes ``results/compressed_memory.json`` and ``compressed_memory.png``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -40,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, Cluster, TensorBytes, machine_info, write_json  # noqa: E402
+from common import Cluster, TensorBytes, load_or_run, machine_info  # noqa: E402
 
 HEAD_DIM, INDEX_DIM, CSA, HCA = 64, 32, 4, 128
 
@@ -159,15 +158,10 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="L 256, W 1 and 2, one round")
     ap.add_argument("--table", action="store_true", help="the last run's table and plot")
     args = ap.parse_args(argv)
-    out = RESULTS / "smoke" if args.quick else RESULTS
-    if args.table:
-        data = json.loads((out / "compressed_memory.json").read_text())
-    else:
-        if args.quick:
-            args.per_rank, args.worlds, args.rounds = [256], [1, 2], 1
-        data = run(args)
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(out / "compressed_memory.json", data)
+    def quick(a):
+        a.per_rank, a.worlds, a.rounds = [256], [1, 2], 1
+
+    data, out = load_or_run(args, "compressed_memory", run, quick)
     plot(data, out / "compressed_memory.png")
     print(markdown(data))
 

@@ -27,7 +27,6 @@ Writes ``results/indexer_memory.json`` and ``indexer_memory.png``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -37,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, Cluster, TensorBytes, machine_info, write_json  # noqa: E402
+from common import Cluster, TensorBytes, load_or_run, machine_info  # noqa: E402
 
 RULES = ("position", "topk")
 PATHS = {"position": "ring top k", "topk": "whole rows"}
@@ -163,15 +162,10 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="L 256, W 1 and 2, top 64")
     ap.add_argument("--table", action="store_true", help="the last run's table and plot")
     args = ap.parse_args(argv)
-    out = RESULTS / "smoke" if args.quick else RESULTS
-    if args.table:
-        data = json.loads((out / "indexer_memory.json").read_text())
-    else:
-        if args.quick:
-            args.per_rank, args.worlds, args.topk, args.rounds = [256], [1, 2], 64, 1
-        data = run(args)
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(out / "indexer_memory.json", data)
+    def quick(a):
+        a.per_rank, a.worlds, a.topk, a.rounds = [256], [1, 2], 64, 1
+
+    data, out = load_or_run(args, "indexer_memory", run, quick)
     plot(data, out / "indexer_memory.png")
     print(markdown(data))
 

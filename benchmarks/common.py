@@ -270,6 +270,21 @@ def machine_info() -> dict:
     }
 
 
+def load_or_run(args, stem: str, run, quick=None) -> tuple[dict, Path]:
+    """(data, folder) of a benchmark: ``--table`` reads the last run's ``<stem>.json``;
+    otherwise ``quick(args)`` first under ``--quick`` (whose results go to
+    ``results/smoke/``), then ``run(args)``, written there."""
+    out = RESULTS / "smoke" if args.quick else RESULTS
+    if args.table:
+        return json.loads((out / f"{stem}.json").read_text()), out
+    if args.quick and quick is not None:
+        quick(args)
+    data = run(args)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / f"{stem}.json", data)
+    return data, out
+
+
 def write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
