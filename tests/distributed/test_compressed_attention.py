@@ -21,7 +21,8 @@ every shard at W = 3 and 4: its halo comes from several ranks); S = 4 and 9 (no 
 a rank with no token of its own); gradient checkpointing (fp32); the global router loss
 (``output_router_logits=True``); the lower path (``ra.shard_batch`` then the model, padded
 and packed rows); ``ra_hf.context_parallel`` on the global batch with its tiled loss (the
-loss on every rank, the ranks' mean gradient); bf16 weights and bf16 autocast (against the
+loss on every rank, the ranks' mean gradient); budgets of a few queries per chunk (the
+entry attention and the indexer's scores in chunks, the former recomputed in the backward); bf16 weights and bf16 autocast (against the
 fp32 model, within ``HALF``). Float64 runs compare
 attention outputs within ATTN64, their logits within LOGITS64 and loss and gradients within
 TOL (transformers' loss upcasts the logits to float32, and the model keeps its RMSNorms in
@@ -114,6 +115,8 @@ CASES = [  # (variant, batch kind, layout, S, dtype)
     ("router", "left-padding", "zigzag", 37, torch.float64),
     *(("shard", k, "contiguous", 37, torch.float64) for k in ("left-padding", "packed")),
     ("manager", "plain", "zigzag", 37, torch.float64),
+    ("chunks", "left-padding", "zigzag", 37, torch.float64),
+    ("chunks", "plain", "contiguous", 37, torch.float64),
     ("bf16", "plain", "zigzag", 37, torch.bfloat16),
     ("autocast", "left-padding", "zigzag", 37, torch.float32),
 ]
@@ -136,6 +139,7 @@ def _run(case):
     """This rank's errors for one case."""
     import ringattn as ra
     from ringattn.integrations import transformers as ra_hf
+    from ringattn.integrations.transformers.families import compressed
 
     variant, kind, layout, seqlen, dtype = case
     batch = _batch(kind, seqlen)
@@ -146,6 +150,9 @@ def _run(case):
     ref = ref_model(**batch, use_cache=False, **extra)
     ref.loss.backward()
     group = dist.new_group(backend="gloo")
+    budgets = (compressed.ENTRY_ELEMENTS, compressed.SCORE_ELEMENTS)
+    if variant == "chunks":  # a few queries per chunk: the chunked, recomputed path
+        compressed.ENTRY_ELEMENTS, compressed.SCORE_ELEMENTS = 300, 50
     try:
         model = ra_hf.convert(_model(variant, "ringattn", dtype))
         attn = _attention_outputs(model)
@@ -173,6 +180,7 @@ def _run(case):
     except Exception as exc:  # reported per case by the test
         return f"{type(exc).__name__}: {exc}"
     finally:
+        compressed.ENTRY_ELEMENTS, compressed.SCORE_ELEMENTS = budgets
         dist.destroy_process_group(group)
 
 

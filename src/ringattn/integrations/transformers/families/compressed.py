@@ -33,7 +33,8 @@ under a ring context:
    included;
 5. attends: the window keys by the ring (sliding window, the batch's padding and
    documents, with the log-sum-exp), the entries locally (HCA: every entry under the
-   causal threshold; CSA: the k selected entries gathered per query, O(L k) per rank), the
+   causal threshold; CSA: the k selected entries gathered per query, O(L k) per rank; both in
+   chunks of queries recomputed in the backward, ``ENTRY_ELEMENTS``), the
    two merged by their log-sum-exp (``ringattn.merge``) and the sink folded in last.
 
 Everything else in the model (hyper-connections, the hash router, the MoE) is per token.
@@ -68,6 +69,10 @@ register_attention("compressed", FAMILIES, layer_types={
 
 SCORE_ELEMENTS = 1 << 24
 """Indexer scores ([B, chunk, index heads, T] floats) one chunk of queries may hold."""
+
+ENTRY_ELEMENTS = 1 << 24
+"""Gathered entries ([B, chunk, k, D]) or scores over them ([B, H, chunk, T]) one chunk of
+queries of the entry attention may hold."""
 
 _LAYER_TYPES = {"sliding_attention": 0, "compressed_sparse_attention": 1,
                 "heavily_compressed_attention": 2}
@@ -222,9 +227,32 @@ def _entry_attention(q, entries, visible, picked, scaling):
     """(out [B, L, H, D], lse [B, H, L]) of queries ``q`` [B, H, L, D] over the entries
     [B, T, D] (keys and values): every entry where ``visible`` [B, L, T], or the entries
     ``picked`` [B, L, k] (-1: none) when given. A row that sees none: lse -inf, out 0, and
-    zero gradients."""
+    zero gradients. In chunks of queries of at most ``ENTRY_ELEMENTS`` gathered entries or
+    scores each, recomputed in the backward when there is more than one (so the
+    backward keeps only q, the entries and the result)."""
+    b, h, n, d = q.shape
+    width = picked.shape[-1] * d if picked is not None else h * entries.shape[1]
+    chunk = max(1, ENTRY_ELEMENTS // max(1, b * width))
+    if chunk >= n:
+        return _entry_chunk(q, entries, visible, picked, scaling)
+    from torch.utils.checkpoint import checkpoint
+
+    outs, lses = [], []
+    for a in range(0, n, chunk):
+        z = min(n, a + chunk)
+        out, lse = checkpoint(_entry_chunk, q[:, :, a:z], entries,
+                              None if visible is None else visible[:, a:z],
+                              None if picked is None else picked[:, a:z], scaling,
+                              use_reentrant=False)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
+
+
+def _entry_chunk(q, entries, visible, picked, scaling):
+    """``_entry_attention`` on one chunk of queries."""
     if picked is not None:
-        b, n, k = picked.shape
+        b = picked.shape[0]
         rows = torch.arange(b, device=q.device).view(b, 1, 1)
         values = entries[rows, picked.clamp(min=0)]  # [B, L, k, D]
         scores = torch.einsum("bhld,blkd->bhlk", q, values) * scaling
