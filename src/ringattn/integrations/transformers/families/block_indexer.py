@@ -27,9 +27,9 @@ a ring context:
    included. Block boundaries are therefore transformers' own: global slots for MiniMax
    (``position_ids // index_block_size``), every ``compress_ratio`` visible keys of a row's
    document for Qwen4-Exp (they move with left padding and restart in each document);
-4. turns the selection into a value-keyed ``Mask`` (``BlockSelection``: for each local
-   query row, which key blocks it sees, per key/value head for MiniMax) that is and-ed with
-   the batch's mask, so the ring runs its one loop, forward and backward, over exactly the
+4. turns the selection into the DSA indexers' value-keyed ``Mask`` (``indexer.Selection``
+   with each key's block as its unit: for each local query row, the sorted list of key
+   blocks it sees, per key/value head for MiniMax) that is and-ed with the batch's mask, so the ring runs its one loop, forward and backward, over exactly the
    selected blocks (blocks nobody selected are skipped by its plan).
 
 A real query that would see no key at all (one process's eager attention then averages
@@ -51,10 +51,10 @@ from ..attention import _check_call
 from ..checks import register_attention
 from ..state import (SwapMixin, bind_context, bound_call, current_call, hook_restore_padding,
                      missing_error, owner, swap_class)
-from .indexer import (IndexerKeys, agreed_token, crc, gather_sequence, own_keys, refuse_cache,
-                      ring_only)
+from .indexer import (IndexerKeys, Selection, agreed_token, crc, gather_sequence, own_keys,
+                      refuse_cache, ring_only, unit_lists)
 
-__all__ = ["BlockSelection", "convert_block_indexer"]
+__all__ = ["convert_block_indexer"]
 
 LAYER_TYPES = {"qwen4_exp_text": ("indexed_attention",),
                "minimax_m3_vl_text": ("minimax_m3_sparse",)}
@@ -64,48 +64,6 @@ register_attention("block indexer", tuple(LAYER_TYPES), layer_types=LAYER_TYPES)
 SCORE_ELEMENTS = 1 << 24
 """Score (or mask) elements one chunk of queries may hold at a time ([B, heads, chunk, S])."""
 
-
-
-class BlockSelection(Mask):
-    """Query q sees key kv iff the block of kv is among the blocks selected for q.
-
-    Each rank holds the rows of its own query slots only (``chosen`` [B, Hs, L, blocks + 1],
-    the last column False) and is only ever asked about them by its ring plan; other query
-    positions (a probe) see nothing. ``key_block`` [B, S] is each key's block (-1: none).
-    Attention head h reads selection head h // ``group``. Keyed by a number every rank of
-    the call agreed on, so ranks agree on it as on any value-keyed mask, and each selection
-    is planned once.
-    """
-
-    def __init__(self, token: int, rows_pos: torch.Tensor, key_block: torch.Tensor,
-                 chosen: torch.Tensor, group: int):
-        seqlen = key_block.shape[1]
-        real = rows_pos < seqlen
-        row_of = torch.full((seqlen,), -1, dtype=torch.long)
-        row_of[rows_pos[real].cpu()] = torch.nonzero(real.cpu()).flatten()
-        self.token, self.group = token, group
-        self._cpu = (row_of, key_block.cpu(), chosen.cpu())
-        self._on: dict = {}
-
-    def key(self):
-        return ("block_selection", self.token)
-
-    def _tensors(self, device):
-        device = torch.device(device)
-        if device not in self._on:
-            self._on[device] = tuple(t.to(device) for t in self._cpu)
-        return self._on[device]
-
-    def __call__(self, b, h, q, kv):
-        row_of, key_block, chosen = self._tensors(q.device)
-        rows = row_of[q]
-        head = (torch.div(h, self.group, rounding_mode="floor") if chosen.shape[1] > 1
-                else torch.zeros((), dtype=torch.long, device=q.device))
-        seen = chosen[b, head, rows.clamp(min=0), key_block[b, kv]]
-        return seen & (rows >= 0)
-
-    def __repr__(self):
-        return f"block_selection({self.token})"
 
 
 def _base_mask(ctx) -> Mask:
@@ -202,7 +160,7 @@ def _attend(module, q, k, v, selection, error, ctx):
 
 @torch.no_grad()
 def _qwen4_selection(module, hidden, position_embeddings, attention_mask, cache, ctx, kwargs):
-    """(BlockSelection of this rank's query rows, or None; an error to raise on every rank
+    """(the ``Selection`` of this rank's query rows (key blocks), or None; an error to raise on every rank
     at the attention call, or None) for Qwen4-Exp's QSA indexer."""
     indexer = module.indexer
     pg = resolve_group(ctx.group)
@@ -247,7 +205,8 @@ def _qwen4_selection(module, hidden, position_embeddings, attention_mask, cache,
         where = torch.where(picked[:, 0], key_block[:, None, :], blocks)  # [B, rows, S]
         chosen[:, 0, a:z].scatter_(-1, where, True)
     chosen[..., blocks] = False
-    selection = BlockSelection(token, pos.cpu(), key_block, chosen, 1)
+    selection = Selection(token, pos.cpu(), unit_lists(chosen[..., :blocks]).cpu(), 1,
+                          key_block)
     return selection, _unseen(selection, ctx, pos, b, 1, device)
 
 
@@ -320,7 +279,8 @@ def _minimax_selection(module, hidden, position_embeddings, position_ids, attent
     key_block = torch.div(torch.arange(s, device=device), size,
                           rounding_mode="floor").expand(b, -1)
     group = module.config.num_attention_heads // heads
-    selection = BlockSelection(token, pos.cpu(), key_block, chosen, group)
+    selection = Selection(token, pos.cpu(), unit_lists(chosen[..., :blocks]).cpu(), group,
+                          key_block)
     return selection, _unseen(selection, ctx, pos, b, module.config.num_attention_heads,
                               device)
 

@@ -82,7 +82,7 @@ from ..state import MISSING, SwapMixin, bind_context, bound_context, missing_err
 
 __all__ = ["SELECTION", "Selection", "agreed_token", "attach_selection", "convert_indexer",
            "IndexerKeys", "crc", "gather_sequence", "indexer_ties", "own_keys", "refuse_cache",
-           "ring_only", "row_chunks", "row_mask"]
+           "ring_only", "row_chunks", "row_mask", "unit_lists"]
 
 FAMILIES = ("deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "dots3_note_text")
 register_attention("indexer", FAMILIES)
@@ -103,24 +103,28 @@ maximum of their next ones)."""
 
 
 class Selection(Mask):
-    """Query q sees key kv iff kv is among the keys selected for q.
+    """Query q sees key kv iff the unit of kv is among the units selected for q: the key
+    itself (DSA: ``unit`` None) or its block (the block indexers: ``unit`` [B, S], each
+    key's block, -1 for none).
 
     Each rank holds the selection of its own query slots only (``selected`` [B, L, k], or
-    [B, Hs, L, k] per selection head, global key positions; a position < 0 selects
-    nothing) and is only ever asked about them by its ring plan; other query positions (a
-    probe) see nothing. With per-head rows, attention head h reads selection head
-    h // ``group``. Keyed by a number every rank of the call agreed on, so ranks agree on
-    it as on any value-keyed mask, and each selection is planned once.
+    [B, Hs, L, k] per selection head: units, a value < 0 selects nothing) and is only ever
+    asked about them by its ring plan; other query positions (a probe) see nothing. With
+    per-head rows, attention head h reads selection head h // ``group``. Keyed by a number
+    every rank of the call agreed on, so ranks agree on it as on any value-keyed mask, and
+    each selection is planned once. One representation for every sparse family: sorted
+    lists of k units per row, O(L k) per rank.
     """
 
     def __init__(self, token: int, rows_pos: torch.Tensor, selected: torch.Tensor,
-                 group: int | None = None):
+                 group: int | None = None, unit: torch.Tensor | None = None):
         real = rows_pos >= 0
         order = torch.argsort(rows_pos)
         self._pos = rows_pos[order]  # sorted global positions of this rank's query rows
         self._row = order
         selected = selected.long() if selected.dim() == 4 else selected.long().unsqueeze(1)
         self._sel = torch.sort(selected, dim=-1).values  # [B, Hs, L, k]
+        self._unit = None if unit is None else unit.long().cpu()
         self._group = None if group is None or selected.shape[1] == 1 else int(group)
         self._real = bool(real.all())
         self.token = token
@@ -132,11 +136,12 @@ class Selection(Mask):
     def _tensors(self, device):
         device = torch.device(device)
         if device not in self._on:
-            self._on[device] = tuple(t.to(device) for t in (self._pos, self._row, self._sel))
+            self._on[device] = tuple(None if t is None else t.to(device)
+                                     for t in (self._pos, self._row, self._sel, self._unit))
         return self._on[device]
 
     def __call__(self, b, h, q, kv):
-        pos, row, sel = self._tensors(q.device)
+        pos, row, sel, unit = self._tensors(q.device)
         k = sel.shape[-1]
         at = torch.searchsorted(pos, q).clamp(max=pos.numel() - 1)
         mine = pos[at] == q
@@ -149,15 +154,32 @@ class Selection(Mask):
         if plain:  # ring plans: [B, 1, 1, 1], [1, H, 1, 1], [1, 1, Sq, 1], [1, 1, 1, Sk]
             heads = (torch.div(h.reshape(-1), self._group, rounding_mode="floor") if per_head
                      else torch.zeros(1, dtype=torch.long, device=q.device))
-            s = sel[b.reshape(-1)][:, heads][:, :, rows.reshape(-1)]  # [B, Hm, Sq, k]
-            keys = kv.reshape(1, 1, 1, -1).expand(*s.shape[:3], -1).contiguous()
+            batch = b.reshape(-1)
+            s = sel[batch][:, heads][:, :, rows.reshape(-1)]  # [B, Hm, Sq, k]
+            units = (kv.reshape(1, -1).expand(batch.numel(), -1) if unit is None
+                     else unit[batch][:, kv.reshape(-1)])  # [B, Sk]
+            keys = units[:, None, None, :].expand(*s.shape[:3], -1).contiguous()
             at_k = torch.searchsorted(s, keys).clamp(max=k - 1)
-            seen = s.gather(-1, at_k) == keys
+            seen = (s.gather(-1, at_k) == keys) & (keys >= 0)
             return seen & mine.reshape(1, 1, -1, 1)
         head = (torch.div(h, self._group, rounding_mode="floor") if per_head
                 else torch.zeros((), dtype=torch.long, device=q.device))
         s = sel[b, head, rows]  # any other broadcast (flex's scalars)
-        return (s == kv.unsqueeze(-1)).any(-1) & mine
+        units = kv if unit is None else unit[b, kv]
+        return (s == units.unsqueeze(-1)).any(-1) & mine & (units >= 0)
+
+    def __repr__(self):
+        return f"indexer_selection({self.token})"
+
+
+def unit_lists(chosen: torch.Tensor) -> torch.Tensor:
+    """[..., n] bool (which of n units each row selects) -> [..., k] the selected units in
+    order, -1 where a row selects fewer than k (the most any row selects, at least 1)."""
+    n = chosen.shape[-1]
+    k = max(1, int(chosen.sum(-1).max())) if chosen.numel() else 1
+    index = torch.arange(n, device=chosen.device).expand_as(chosen)
+    ranked = torch.where(chosen, index, n).sort(dim=-1).values[..., :k]
+    return torch.where(ranked < n, ranked, -1)
 
 
 def agreed_token(pg, fields: dict, error, what: str = "an indexer selection") -> int:
