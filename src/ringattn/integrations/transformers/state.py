@@ -314,6 +314,19 @@ def require_context(module):
     return ctx
 
 
+def layer_context(module, kwargs: dict, pop: bool = False):
+    """The ring context a converted layer's forward got in ``kwargs`` (removed with
+    ``pop``), or None: one process, where the layer is transformers' own.
+
+    Raises:
+        ValueError: ``missing_error``'s, under context_parallel without one.
+    """
+    ctx = kwargs.pop("ring_context", None) if pop else kwargs.get("ring_context")
+    if ctx is None and getattr(owner(module), "_ringattn_context_parallel", False):
+        raise missing_error(module)
+    return ctx
+
+
 def missing_error(module) -> ValueError:
     """The refusal of a module that runs under context_parallel without its context."""
     return ValueError(

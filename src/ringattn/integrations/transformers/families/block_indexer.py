@@ -50,7 +50,7 @@ from ....validate import caller_error
 from ..attention import _check_call
 from ..checks import register_attention
 from ..state import (SwapMixin, bind_context, bound_call, current_call, hook_restore_padding,
-                     missing_error, owner, swap_class)
+                     layer_context, owner, swap_class)
 from .indexer import (IndexerKeys, Selection, agreed_token, crc, gather_sequence, own_keys,
                       refuse_cache, ring_only, unit_lists)
 
@@ -293,10 +293,8 @@ class _Qwen4ExpTextAttention(SwapMixin):
                 **kwargs):
         from transformers.models.qwen4_exp.modeling_qwen4_exp import apply_rotary_pos_emb
 
-        ctx = kwargs.pop("ring_context", None)
+        ctx = layer_context(self, kwargs, pop=True)
         if ctx is None:
-            if getattr(owner(self), "_ringattn_context_parallel", False):
-                raise missing_error(self)
             return super().forward(hidden_states, position_embeddings, attention_mask,
                                    cache=cache, **kwargs)
         selection, error = _qwen4_selection(self, hidden_states, position_embeddings,
@@ -328,10 +326,8 @@ class _MiniMaxM3VLAttention(SwapMixin):
         from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import (
             apply_rotary_pos_emb)
 
-        ctx = kwargs.pop("ring_context", None)
+        ctx = layer_context(self, kwargs, pop=True)
         if ctx is None:
-            if getattr(owner(self), "_ringattn_context_parallel", False):
-                raise missing_error(self)
             return super().forward(hidden_states, position_embeddings, attention_mask,
                                    cache=cache, **kwargs)
         position_ids = kwargs.get("position_ids")

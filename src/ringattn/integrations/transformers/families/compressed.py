@@ -58,7 +58,7 @@ from ....strategies.auto import attention
 from ..attention import _check_call
 from ..checks import register_attention
 from ..state import (SwapMixin, bind_context, bound_call, current_call, hook_restore_padding,
-                     missing_error, owner, swap_class)
+                     layer_context, owner, swap_class)
 from .indexer import crc, refuse_cache, ring_only
 
 __all__ = ["convert_compressed"]
@@ -321,10 +321,8 @@ class _DeepseekV4Attention(SwapMixin):
     def forward(self, hidden_states, position_embeddings, position_ids, attention_mask,
                 cache=None, **kwargs):
         mod = _modeling()
-        ctx = kwargs.pop("ring_context", None)
+        ctx = layer_context(self, kwargs, pop=True)
         if ctx is None:
-            if getattr(owner(self), "_ringattn_context_parallel", False):
-                raise missing_error(self)
             return super().forward(hidden_states, position_embeddings, position_ids,
                                    attention_mask, cache=cache, **kwargs)
         pg = resolve_group(ctx.group)

@@ -41,7 +41,7 @@ from ....score_bias import ring_attention_with_bias
 from ....validate import caller_error
 from ..attention import ModelMask, _ring_arguments, ring_attention_forward
 from ..checks import NOT_ATTENTION_KWARGS, register_attention
-from ..state import SwapMixin, swap_class
+from ..state import SwapMixin, layer_context, swap_class
 from .indexer import (
     _dtype_code,
     agreed_token,
@@ -102,7 +102,7 @@ class _InklingAttention(SwapMixin):
     and relative logits, the bias handed to ring attention per query."""
 
     def forward(self, hidden_states, attention_mask, conv_mask=None, cache=None, **kwargs):
-        ctx = kwargs.get("ring_context")
+        ctx = layer_context(self, kwargs)
         if ctx is None:
             return super().forward(hidden_states, attention_mask, conv_mask=conv_mask,
                                    cache=cache, **kwargs)
@@ -143,7 +143,7 @@ class _Inkling2Attention(SwapMixin):
     per query, handed to ring attention."""
 
     def forward(self, hidden_states, *args, **kwargs):
-        ctx = kwargs.get("ring_context")
+        ctx = layer_context(self, kwargs)
         if ctx is None or args:
             return super().forward(hidden_states, *args, **kwargs)
         refuse_cache(self, kwargs.pop("cache", None))
@@ -195,7 +195,7 @@ class _DogeAttention(SwapMixin):
                 **kwargs):
         from transformers.models.doge.modeling_doge import apply_rotary_pos_emb
 
-        ctx = kwargs.get("ring_context")
+        ctx = layer_context(self, kwargs)
         if ctx is None:
             return super().forward(hidden_states, position_embeddings, attention_mask,
                                    cache=cache, **kwargs)
