@@ -26,7 +26,6 @@ Writes ``results/indexer_memory.json`` and ``indexer_memory.png``.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -36,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Cluster, TensorBytes, load_or_run, machine_info  # noqa: E402
+from common import (Cluster, TensorBytes, finish_plot, fixed_share_parser,  # noqa: E402
+                    load_or_run, machine_info)
 
 RULES = ("position", "topk")
 PATHS = {"position": "ring top k", "topk": "whole rows"}
@@ -143,25 +143,16 @@ def plot(data, path: Path) -> None:
             a.plot([r["W"] for r in rs], [r["growth_bytes"] / 2**20 for r in rs], style,
                    label=label)
             b.plot([r["W"] for r in rs], [r["seconds"] for r in rs], style, label=label)
-    for ax, what in ((a, "indexer call: live tensor MiB growth"), (b, "indexer call seconds")):
-        ax.set_xlabel("W (S = L x W)")
-        ax.set_ylabel(what)
-        ax.set_yscale("log")
-        ax.legend(fontsize=7)
-    fig.suptitle(f"DSA indexer selection at a fixed S / W (top {data['topk']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    finish_plot(fig, ((a, "indexer call: live tensor MiB growth"),
+                      (b, "indexer call seconds")), "W (S = L x W)",
+                f"DSA indexer selection at a fixed S / W (top {data['topk']})", path)
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--per-rank", type=int, nargs="+", default=[1024, 4096])
-    ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    ap = fixed_share_parser(__doc__, "L 256, W 1 and 2, top 64")
     ap.add_argument("--topk", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--quick", action="store_true", help="L 256, W 1 and 2, top 64")
-    ap.add_argument("--table", action="store_true", help="the last run's table and plot")
     args = ap.parse_args(argv)
+
     def quick(a):
         a.per_rank, a.worlds, a.topk, a.rounds = [256], [1, 2], 64, 1
 

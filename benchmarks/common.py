@@ -270,6 +270,33 @@ def machine_info() -> dict:
     }
 
 
+def fixed_share_parser(doc: str, quick_help: str, rounds: int = 2):
+    """The argument parser of a benchmark at a fixed S / W: ``--per-rank`` (L, default
+    1024 and 4096), ``--worlds`` (1, 2, 4), ``--rounds``, ``--quick``, ``--table``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--per-rank", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--table", action="store_true", help="the last run's table and plot")
+    return ap
+
+
+def finish_plot(fig, axes: tuple, xlabel: str, title: str, path: Path) -> None:
+    """Label each (axis, y label) of ``axes`` (log y, a small legend), title ``fig`` and
+    save it to ``path``."""
+    for ax, what in axes:
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(what)
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def load_or_run(args, stem: str, run, quick=None) -> tuple[dict, Path]:
     """(data, folder) of a benchmark: ``--table`` reads the last run's ``<stem>.json``;
     otherwise ``quick(args)`` first under ``--quick`` (whose results go to
