@@ -22,12 +22,12 @@ a rank with no token of its own); gradient checkpointing (fp32); the global rout
 (``output_router_logits=True``); the lower path (``ra.shard_batch`` then the model, padded
 and packed rows); ``ra_hf.context_parallel`` on the global batch with its tiled loss (the
 loss on every rank, the ranks' mean gradient); budgets of a few queries per chunk (the
-entry attention and the indexer's scores in chunks, the former recomputed in the backward); bf16 weights and bf16 autocast (against the
-fp32 model, within ``HALF``). Float64 runs compare
-attention outputs within ATTN64, their logits within LOGITS64 and loss and gradients within
-TOL (transformers' loss upcasts the logits to float32, and the model keeps its RMSNorms in
-float32); fp32 runs within TOL, gradients within the survey's GRAD_TOL for this family
-(``test_fp32_gradients_are_that_sensitive`` measures why).
+entry attention and the indexer's scores in chunks, the former recomputed in the backward);
+bf16 weights and bf16 autocast (against the fp32 model, within ``HALF``). Float64 runs
+compare attention outputs within ATTN64, their logits within LOGITS64 and loss and
+gradients within TOL (transformers' loss upcasts the logits to float32, and the model keeps
+its RMSNorms in float32); fp32 runs within TOL, gradients within the survey's GRAD_TOL for
+this family (``test_fp32_gradients_are_that_sensitive`` measures why).
 
 Refused on every rank with its reason: another strategy than the ring (Ulysses, all-gather),
 the striped layout, a cache, left padding given as ``inputs_embeds``; and at ``convert``, a

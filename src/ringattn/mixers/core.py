@@ -600,8 +600,8 @@ def linear_recurrence(scan, transition, inputs, *, state_shape, map_shape, out_s
             c_row if c_row is not None else x0.new_zeros(c_numel, dtype=sdtype)]))
     rows += [x0.new_zeros(m_numel + c_numel, dtype=sdtype)] * (plan.rows - len(rows))
     anchors = [t for t in (*inputs, *params) if isinstance(t, torch.Tensor)] if needs_grad else []
-    table = gather_rows(torch.stack(rows), pg, f"{name}'s all-gather of the chunks' state maps",
-                    anchors)
+    table = gather_rows(torch.stack(rows), pg,
+                        f"{name}'s all-gather of the chunks' state maps", anchors)
     for index, at, piece, added in later:
         entry = None
         for r, i in plan.chains[index]:

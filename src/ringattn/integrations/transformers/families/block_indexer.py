@@ -29,8 +29,9 @@ a ring context:
    document for Qwen4-Exp (they move with left padding and restart in each document);
 4. turns the selection into the DSA indexers' value-keyed ``Mask`` (``indexer.Selection``
    with each key's block as its unit: for each local query row, the sorted list of key
-   blocks it sees, per key/value head for MiniMax) that is and-ed with the batch's mask, so the ring runs its one loop, forward and backward, over exactly the
-   selected blocks (blocks nobody selected are skipped by its plan).
+   blocks it sees, per key/value head for MiniMax) that is and-ed with the batch's mask,
+   so the ring runs its one loop, forward and backward, over exactly the selected blocks
+   (blocks nobody selected are skipped by its plan).
 
 A real query that would see no key at all (one process's eager attention then averages
 every value of the row: undefined) is refused on every rank.
@@ -160,8 +161,8 @@ def _attend(module, q, k, v, selection, error, ctx):
 
 @torch.no_grad()
 def _qwen4_selection(module, hidden, position_embeddings, attention_mask, cache, ctx, kwargs):
-    """(the ``Selection`` of this rank's query rows (key blocks), or None; an error to raise on every rank
-    at the attention call, or None) for Qwen4-Exp's QSA indexer."""
+    """(the ``Selection`` of this rank's query rows (key blocks), or None; an error to
+    raise on every rank at the attention call, or None) for Qwen4-Exp's QSA indexer."""
     indexer = module.indexer
     pg = resolve_group(ctx.group)
     world, rank = torch.distributed.get_world_size(pg), torch.distributed.get_rank(pg)
