@@ -283,7 +283,8 @@ def test_what_cannot_be_exact_is_refused_on_every_rank(exact, name, world):
 
 def test_ties_are_real_and_convert_takes_only_its_own_classes():
     """The tie variant ties (one process's indexer picks among all-zero score rows), and
-    ``convert`` refuses a compressor it does not know before any rank is involved."""
+    ``convert`` refuses, before any rank is involved, a compressor class it does not know
+    and a transformers whose code of the functions it reproduces differs (``PINNED``)."""
     from ringattn.integrations import transformers as ra_hf
 
     ra_hf.register()
@@ -301,6 +302,15 @@ def test_ties_are_real_and_convert_takes_only_its_own_classes():
     comp.__class__ = type("MyCompressor", (type(comp),), {})
     with pytest.raises(TypeError, match="MyCompressor"):
         ra_hf.convert(model)
+    from ringattn.integrations.transformers.families import compressed
+
+    pinned = dict(compressed.PINNED)
+    try:  # another transformers' code of a function it reproduces: refused, named
+        compressed.PINNED["DeepseekV4Indexer.forward"] += 1
+        with pytest.raises(ValueError, match="writes DeepseekV4Indexer.forward otherwise"):
+            ra_hf.convert(_model("survey", "ringattn", torch.float32))
+    finally:
+        compressed.PINNED.update(pinned)
     model = ra_hf.convert(_model("survey", "ringattn", torch.float32))
     ra_hf.check_model(model)
     assert sorted({type(m).__name__ for m in model.modules()

@@ -148,3 +148,31 @@ def test_served_and_refused_families_from_the_tables_match_the_docs():
         first = rows[name].split(";")[0]  # RecurrentGemma: "plain exact (...); left-padded ..."
         assert want in first and (want == "exact" or first.startswith(want)), \
             (family, table[family], rows[name][:80])
+
+
+
+def _pinned(source: str):
+    """A function ``f`` made from ``source``, readable by ``inspect``."""
+    import importlib.util
+    import tempfile
+
+    path = Path(tempfile.mkdtemp()) / "pinned_case.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"pinned_{abs(hash(source))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_pinned_source_is_its_code_not_its_words():
+    from ringattn.integrations.transformers import checks
+
+    a = _pinned('def f(x):\n    """A docstring."""\n    return x + 1  # a comment\n')
+    b = _pinned("def f(x):\n    '''Another one.'''\n    # spacing and comments only\n"
+                "    return x+1\n")
+    c = _pinned('def f(x):\n    """A docstring."""\n    return x - 1  # a comment\n')
+    da, db, dc = (checks.source_digest(m.f) for m in (a, b, c))
+    assert da == db != dc and checks.source_digest(len) is None
+    assert checks.pinned_problem(a, {"f": db}) is None
+    assert "f" in checks.pinned_problem(c, {"f": da})
+    assert "missing" in checks.pinned_problem(a, {"missing": da})

@@ -13,13 +13,15 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+import zlib
 
 from . import state
 
 __all__ = ["ATTENTION_FAMILIES", "BLOCK_SPARSE_LAYERS", "BUILT_EAGER", "KWARGS_STOP", "LOSS_TERMS",
            "MIXER_FAMILIES", "MIXER_LAYERS",
            "NAME", "NOT_ATTENTION_KWARGS", "POSITIONS_FROM_MASK", "REFUSED", "check_model",
-           "converted", "convertible", "global_router_loss", "loss_terms", "mixers_converted"]
+           "converted", "convertible", "global_router_loss", "loss_terms", "mixers_converted",
+           "pinned_problem", "source_digest"]
 
 NAME = "ringattn"
 
@@ -221,6 +223,38 @@ structure: a statement not listed makes ``check_model`` refuse the family, namin
 ``z_loss`` term (a mean over every position's logits, which no rank holds) is refused
 while its coefficient is not 0. ``tests/unit/test_loss_terms.py`` keeps the table complete
 against the family survey."""
+
+def source_digest(obj) -> int | None:
+    """A number for the code of ``obj`` (a function), its docstrings, comments and
+    whitespace left out; None when its source cannot be read. What a conversion that
+    re-derives a transformers function's arithmetic pins: another version of the function
+    gives another number."""
+    try:
+        source = inspect.getsource(obj)
+    except (OSError, TypeError):
+        return None
+    source = re.sub(r'"""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\'', "", source)
+    source = re.sub(r"#[^\n]*", "", source)
+    return zlib.crc32("".join(source.split()).encode()) & 0x7FFFFFFF
+
+
+def pinned_problem(module, pins: dict) -> str | None:
+    """Which of ``pins`` ({"Class.method" or "function" of ``module``: source_digest}) the
+    installed transformers writes otherwise (or lacks), or None."""
+    changed = []
+    for name, want in pins.items():
+        obj = module
+        for part in name.split("."):
+            obj = getattr(obj, part, None)
+        if obj is None or source_digest(obj) != want:
+            changed.append(name)
+    if not changed:
+        return None
+    import transformers
+
+    return (f"transformers {transformers.__version__} writes {', '.join(changed)} otherwise "
+            f"than the code ringattn reproduces")
+
 
 _LOSS_START = re.compile(r"^loss\s*(\+=|-=|\*=|/=|=)")
 

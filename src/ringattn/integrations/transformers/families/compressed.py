@@ -56,7 +56,7 @@ from ....mixers._plan import conv_sources, make_plan
 from ....mixers.core import Tie, gather_rows, halo
 from ....strategies.auto import attention
 from ..attention import _check_call
-from ..checks import register_attention
+from ..checks import pinned_problem, register_attention
 from ..state import (SwapMixin, bind_context, bound_call, current_call, hook_restore_padding,
                      layer_context, owner, swap_class)
 from .indexer import crc, refuse_cache, ring_only
@@ -76,6 +76,14 @@ queries of the entry attention may hold."""
 
 _LAYER_TYPES = {"sliding_attention": 0, "compressed_sparse_attention": 1,
                 "heavily_compressed_attention": 2}
+
+PINNED = {"DeepseekV4Attention.forward": 1079488739,
+          "DeepseekV4HCACompressor.forward": 1390939516,
+          "DeepseekV4CSACompressor.forward": 1487698464,
+          "DeepseekV4Indexer.forward": 1296470858,
+          "eager_attention_forward": 1057793864}
+"""The transformers code (5.24.0) whose arithmetic this file reproduces (``checks.
+source_digest``): ``convert`` refuses a transformers that writes any of it otherwise."""
 
 
 def _modeling():
@@ -399,7 +407,8 @@ def convert_compressed(model) -> None:
     whole sequence under a ring context.
 
     Raises:
-        ValueError: no DeepseekV4Attention to convert.
+        ValueError: no DeepseekV4Attention to convert, or a transformers whose code of it
+            differs from the one this file reproduces (``PINNED``).
         TypeError: a module whose compressor, indexer or scorer is not transformers' own
             class (named).
     """
@@ -407,6 +416,11 @@ def convert_compressed(model) -> None:
     found = [m for m in model.modules() if type(m) is base]
     if not found:
         raise ValueError(f"{type(model).__name__} has no DeepseekV4Attention to convert")
+    changed = pinned_problem(_modeling(), PINNED)
+    if changed is not None:
+        raise ValueError(f"ringattn cannot convert {type(model).__name__}: {changed} (its "
+                         f"compressed attention under context parallelism would not be "
+                         f"this transformers' model)")
     for module in found:
         problem = _exact_parts(module)
         if problem is not None:
