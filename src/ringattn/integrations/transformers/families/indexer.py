@@ -77,7 +77,7 @@ from ....masks import (
     sliding_window,
 )
 from ..attention import ModelMask, _ring_arguments
-from ..checks import register_attention
+from ..checks import register_attention, source_digest
 from ..state import MISSING, SwapMixin, bind_context, bound_context, missing_error, swap_class
 
 __all__ = ["SELECTION", "Selection", "agreed_token", "attach_selection", "convert_indexer",
@@ -426,25 +426,26 @@ def _queries_half(module, hidden, q_resid, cos, sin, rope="apply_rotary_pos_emb"
 
 def _recipes() -> dict:
     """The indexer classes whose scores ``_ring_topk`` computes, each with its queries'
-    recipe (read from the classes' forwards; any other indexer selects by whole rows)."""
+    recipe (read from the classes' forwards, as transformers 5.24.0 writes them: a class
+    whose forward's ``source_digest`` differs has no recipe, and any indexer without one
+    selects by whole rows, its own forward)."""
     import functools
     import importlib
 
+    interleave = functools.partial(_queries_half, rope="apply_rotary_pos_emb_interleave")
     table = {}
-    for family, name, recipe in (
-            ("deepseek_v32", "DeepseekV32Indexer", _queries_half),
-            ("axk2", "AXK2Indexer", _queries_half),
-            ("glm_moe_dsa", "GlmMoeDsaIndexer",
-             functools.partial(_queries_half, rope="apply_rotary_pos_emb_interleave")),
-            ("dots3_note", "Dots3NoteTextIndexer",
-             functools.partial(_queries_half, rope="apply_rotary_pos_emb_interleave")),
-            ("hy_v4", "HYV4Indexer", functools.partial(_queries_half, flip=True))):
+    for family, name, recipe, pinned in (
+            ("deepseek_v32", "DeepseekV32Indexer", _queries_half, 308611404),
+            ("axk2", "AXK2Indexer", _queries_half, 308611404),
+            ("glm_moe_dsa", "GlmMoeDsaIndexer", interleave, 373164988),
+            ("dots3_note", "Dots3NoteTextIndexer", interleave, 373164988),
+            ("hy_v4", "HYV4Indexer", functools.partial(_queries_half, flip=True), 180310848)):
         try:
             module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
         except ImportError:
             continue
         cls = getattr(module, name, None)
-        if cls is not None:
+        if cls is not None and source_digest(cls.forward) == pinned:
             table[cls] = recipe
     return table
 
