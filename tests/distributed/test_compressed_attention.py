@@ -21,7 +21,8 @@ above the number of entries; rates 8 and 16 (an HCA window wider than every shar
 and 4: its halo comes from several ranks); a window-only layer (``sliding_attention``)
 before a CSA layer; S = 4 and 9 (no HCA entry, a rank with no token of its own); gradient
 checkpointing (fp32); the global router loss (``output_router_logits=True``); the lower
-path (``ra.shard_batch`` then the model, padded and packed rows);
+path (``ra.shard_batch`` then the model, padded and packed rows); the rows' own position
+ids (counted from each row's first real token); eval mode without autograd;
 ``ra_hf.context_parallel`` on the global batch with its tiled loss (the loss on every rank,
 the ranks' mean gradient); budgets of a few queries per chunk (the entry attention and the
 indexer's scores in chunks, the former recomputed in the backward); bf16 weights and bf16
@@ -94,7 +95,7 @@ def _model(variant, attn, dtype):
         model.config._experts_implementation = "eager"
     if variant == "checkpointing":
         model.gradient_checkpointing_enable()
-    model.train()
+    model.train(variant != "no_grad")
     return model
 
 
@@ -125,6 +126,8 @@ CASES = [  # (variant, batch kind, layout, S, dtype)
     ("router", "left-padding", "zigzag", 37, torch.float64),
     *(("shard", k, "contiguous", 37, torch.float64) for k in ("left-padding", "packed")),
     ("manager", "plain", "zigzag", 37, torch.float64),
+    ("positions", "left-padding", "zigzag", 37, torch.float64),
+    ("no_grad", "left-padding", "contiguous", 37, torch.float64),
     ("chunks", "left-padding", "zigzag", 37, torch.float64),
     ("chunks", "plain", "contiguous", 37, torch.float64),
     ("bf16", "plain", "zigzag", 37, torch.bfloat16),
@@ -153,12 +156,18 @@ def _run(case):
 
     variant, kind, layout, seqlen, dtype = case
     batch = _batch(kind, seqlen)
+    if variant == "positions":  # the rows' own position ids, counted from the first token
+        keep = batch["attention_mask"]
+        batch["position_ids"] = (keep.cumsum(-1) - 1).clamp(min=0)
     extra = {"output_router_logits": True} if variant == "router" else {}
     low = variant in HALF  # compared with the fp32 model in one process
     ref_model = _model(variant, "eager", torch.float32 if low else dtype)
     ref_attn = _attention_outputs(ref_model)
-    ref = ref_model(**batch, use_cache=False, **extra)
-    ref.loss.backward()
+    graded = variant != "no_grad"  # eval mode, no autograd: the forward only
+    with torch.set_grad_enabled(graded):
+        ref = ref_model(**batch, use_cache=False, **extra)
+    if graded:
+        ref.loss.backward()
     group = dist.new_group(backend="gloo")
     budgets = (compressed.ENTRY_ELEMENTS, compressed.SCORE_ELEMENTS)
     if variant == "chunks":  # a few queries per chunk: the chunked, recomputed path
@@ -173,12 +182,22 @@ def _run(case):
             local = ra.shard_batch(batch, group=group, layout=layout)
         else:
             local = ra_hf.prepare_batch(model, batch, group=group, layout=layout)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant == "autocast"):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant == "autocast"), \
+                torch.set_grad_enabled(graded):
             out = model(**local, use_cache=False, **extra)
         local["ring_context"].check_consumed(model)
-        out.loss.backward()
+        if graded:
+            out.loss.backward()
         cu = local["ring_context"].cu_seqlens
-        errs = _errors(batch, ref_model, ref, model, out, group, layout, cu)
+        if graded:
+            errs = _errors(batch, ref_model, ref, model, out, group, layout, cu)
+        else:  # no gradient to compare
+            loss = out.loss.clone()
+            dist.all_reduce(loss, group=group)
+            logits = ra.unshard(out.logits, group=group, layout=layout, seqlen=seqlen)
+            real = batch["attention_mask"].bool()
+            errs = {"logits": rel_err(logits[real], ref.logits[real]),
+                    "loss": rel_err(loss, ref.loss), "grads": 0.0}
         if variant == "router":
             aux = out.aux_loss.detach().clone()
             errs["aux"] = rel_err(aux, ref.aux_loss)
