@@ -33,9 +33,14 @@ under a ring context:
    included;
 5. attends: the window keys by the ring (sliding window, the batch's padding and
    documents, with the log-sum-exp), the entries locally (HCA: every entry under the
-   causal threshold; CSA: the k selected entries gathered per query, O(L k) per rank; both in
-   chunks of queries recomputed in the backward, ``ENTRY_ELEMENTS``), the
-   two merged by their log-sum-exp (``ringattn.merge``) and the sink folded in last.
+   causal threshold; CSA: the k selected entries gathered per query, O(L k) per rank; both
+   in chunks of queries recomputed in the backward, ``ENTRY_ELEMENTS``), the two merged by
+   their log-sum-exp (``ringattn.merge``) and the sink folded in last.
+
+Why not the ring for the entries, as the DSA indexers' selection is: once gathered, the
+entries are local to every rank, so a query's selected entries are a local gather, not a
+key mask for keys that travel. ``convert`` takes only transformers' own compressor,
+indexer and scorer classes, and only the transformers code it reproduces (``PINNED``).
 
 Everything else in the model (hyper-connections, the hash router, the MoE) is per token.
 Left padding needs the padding's own ids (its slots are pooled into entries): ``convert``
