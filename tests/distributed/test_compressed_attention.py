@@ -33,8 +33,8 @@ float32); fp32 runs within TOL, gradients within the survey's GRAD_TOL for this 
 (``test_fp32_gradients_are_that_sensitive`` measures why).
 
 Refused on every rank with its reason: another strategy than the ring (Ulysses, all-gather),
-the striped layout, a cache, left padding given as ``inputs_embeds``; and at ``convert``, a
-compressor class that is not transformers' own.
+the striped layout, a cache, left padding given as ``inputs_embeds``, attention dropout on
+one rank's modules; and at ``convert``, a compressor class that is not transformers' own.
 """
 
 from __future__ import annotations
@@ -145,7 +145,10 @@ REFUSALS = {  # name -> what every rank's ValueError says
     "striped": "puts token t on rank t mod W",
     "cache": "use_cache=False",
     "embeds": "padding's own ids",
+    "dropout": "attention dropout",
 }
+"""(``dropout``: attention dropout on the last rank's modules only; the others' calls are
+valid, and every rank raises the last one's error.)"""
 
 
 def _run(case):
@@ -252,6 +255,10 @@ def _refusal(name):
             strategy=name if name in ("ulysses", "allgather") else "ring")
         if name == "embeds":
             local["inputs_embeds"] = model.get_input_embeddings()(local.pop("input_ids"))
+        if name == "dropout" and dist.get_rank() == dist.get_world_size() - 1:
+            for m in model.modules():
+                if type(m).__name__ == "RingDeepseekV4Attention":
+                    m.attention_dropout = 0.1
         model(**local, use_cache=name == "cache")
         return "ran"
     except Exception as exc:
