@@ -68,7 +68,8 @@ outputs by (1 + 2.6e-7 x noise), the size of fp32 rounding that separates any tw
 algorithms (CP's here), moves the gradient of its final hyper-connection head
 (``hc_head.hc_fn``) by 8-10e-6 relative (``test_compressed_attention.py::
 test_fp32_gradients_are_that_sensitive`` measures it); its attention outputs in float64 equal
-one process's within 1e-12 there, as do its float64 logits."""
+one process's within 1e-12 there (its float64 logits within 1e-7: the model keeps its
+RMSNorms in float32)."""
 GRAD_FLOOR = 1e-3
 """A parameter's gradient error is relative to its reference gradient, or to GRAD_FLOOR
 times the whole model's gradient where that is larger: some gradients are analytically
