@@ -56,7 +56,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (RESULTS, Cluster, longest_under_cap, machine_info,  # noqa: E402
-                    paired_rounds, step_peaks, write_json)
+                    paired_rounds, run_once, step_peaks, write_json)
 
 MODEL = dict(vocab=151936, hidden=128, layers=16, heads=4, kv_heads=2, intermediate=256)
 METHODS = ("untiled", "tiled")
@@ -228,11 +228,7 @@ def run(args, out: Path) -> dict:
 
 def timing(model: dict, args) -> dict:
     """The paired-rounds step times at W = 2, S = ``--time-s``."""
-    cluster = Cluster(2)
-    try:
-        got = cluster.run(time_task, model, args.time_s, args.rounds, timeout=3600)[0]
-    finally:
-        cluster.close(force=True)
+    got = run_once(2, time_task, model, args.time_s, args.rounds)[0]
     med = got["median_s"]
     return {"W": 2, "S": args.time_s, **got,
             "tiled_over_untiled": med["tiled"] / med["untiled"],

@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (RESULTS, Cluster, machine_info, paired_rounds, step_peaks,  # noqa: E402
-                    write_json)
+                    run_once, write_json)
 
 MODEL = dict(vocab=128256, draft_vocab=32000, hidden=128, heads=4, kv_heads=2, head_dim=32,
              intermediate=256, layers=2)
@@ -153,11 +153,7 @@ def run(args, out: Path) -> dict:
         bar.update(1)
     if 2 in args.worlds:
         bar.set_postfix_str(f"time W=2 S={args.seqlen}")
-        cluster = Cluster(2)
-        try:
-            got = cluster.run(time_task, model, args.seqlen, args.rounds, timeout=3600)[0]
-        finally:
-            cluster.close(force=True)
+        got = run_once(2, time_task, model, args.seqlen, args.rounds)[0]
         med = got["median_s"]
         data["time"] = {"W": 2, "S": args.seqlen, **got,
                         "tiled_over_logits": med["tiled"] / med["logits"],

@@ -59,6 +59,15 @@ def Cluster(world: int, *, memory: bool = False, timeout_s: float = 1800) -> Loc
     return LocalCluster(world, env=env, timeout_s=timeout_s)
 
 
+def run_once(world: int, fn, *args, timeout: float = 3600) -> list:
+    """``fn(*args)``'s results on every rank of a fresh W-rank ``Cluster``, closed after."""
+    cluster = Cluster(world)
+    try:
+        return cluster.run(fn, *args, timeout=timeout)
+    finally:
+        cluster.close(force=True)
+
+
 # ---------------------------------------------------------------------------- timing
 
 
